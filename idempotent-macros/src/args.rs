@@ -1,0 +1,348 @@
+//! The attribute's arguments: collected with their spans, then checked as a whole.
+
+use proc_macro2::Span;
+use syn::meta::ParseNestedMeta;
+use syn::spanned::Spanned;
+use syn::{Expr, Ident, Lit, LitBool, LitInt, LitStr, Path};
+
+/// Every argument `#[idempotent(...)]` accepts, for "unknown argument" messages.
+const KNOWN: &str = "key, key_fn, ttl, lease, max_attempts, namespace, store, message, \
+                     cache, validate, on_terminal, classify, crate";
+
+/// Collects errors so that all of them are reported, not just the first.
+#[derive(Default)]
+pub struct Errors(Option<syn::Error>);
+
+impl Errors {
+    pub fn push(&mut self, error: syn::Error) {
+        match &mut self.0 {
+            Some(all) => all.combine(error),
+            None => self.0 = Some(error),
+        }
+    }
+
+    pub fn at(&mut self, span: Span, message: impl std::fmt::Display) {
+        self.push(syn::Error::new(span, message));
+    }
+
+    pub fn finish(self) -> Result<(), syn::Error> {
+        self.0.map_or(Ok(()), Err)
+    }
+}
+
+/// A value given at most once, with the span of the argument's name.
+pub struct Once<T>(Option<(Span, T)>);
+
+impl<T> Default for Once<T> {
+    fn default() -> Self {
+        Once(None)
+    }
+}
+
+impl<T> Once<T> {
+    fn set(&mut self, name: &Ident, value: T, errors: &mut Errors) {
+        if self.0.is_some() {
+            errors.at(
+                name.span(),
+                format_args!("duplicate argument `{name}`: give it once"),
+            );
+        } else {
+            self.0 = Some((name.span(), value));
+        }
+    }
+
+    pub fn get(&self) -> Option<&T> {
+        self.0.as_ref().map(|(_, v)| v)
+    }
+
+    pub fn span(&self) -> Option<Span> {
+        self.0.as_ref().map(|(s, _)| *s)
+    }
+
+    pub fn take(&mut self) -> Option<T> {
+        self.0.take().map(|(_, v)| v)
+    }
+}
+
+/// A duration in milliseconds, with the span of its literal.
+#[derive(Clone, Copy)]
+pub struct Millis {
+    pub ms: u64,
+    pub span: Span,
+}
+
+#[derive(Default)]
+pub struct Args {
+    pub key: Once<LitStr>,
+    pub key_fn: Once<Path>,
+    pub ttl: Once<Millis>,
+    pub lease: Once<Millis>,
+    pub max_attempts: Once<(u32, Span)>,
+    pub namespace: Once<LitStr>,
+    pub store: Once<Expr>,
+    pub message: Once<Ident>,
+    pub on_terminal: Once<Path>,
+    pub classify: Once<Path>,
+    pub krate: Once<Path>,
+}
+
+impl Args {
+    /// Parses one `name = value` argument. Mistakes in a value are recorded in
+    /// `errors` and parsing goes on, so one run reports every misuse.
+    pub fn parse(&mut self, meta: ParseNestedMeta, errors: &mut Errors) -> syn::Result<()> {
+        let Some(name) = meta.path.get_ident().cloned() else {
+            skip_value(&meta)?;
+            errors.at(
+                meta.path.span(),
+                format_args!("unknown argument; expected one of: {KNOWN}"),
+            );
+            return Ok(());
+        };
+        match name.to_string().as_str() {
+            "key" => {
+                let example = "a key template, e.g. `key = \"order:{order_id}\"`";
+                if let Some(lit) = string(&meta, &name, example, errors)? {
+                    self.key.set(&name, lit, errors);
+                }
+            }
+            "namespace" => {
+                let example = "a string, e.g. `namespace = \"payments\"`";
+                if let Some(lit) = string(&meta, &name, example, errors)? {
+                    self.namespace.set(&name, lit, errors);
+                }
+            }
+            "ttl" | "lease" => {
+                let expr: Expr = meta.value()?.parse()?;
+                match duration(&expr, &name) {
+                    Ok(ms) => {
+                        let slot = if name == "ttl" {
+                            &mut self.ttl
+                        } else {
+                            &mut self.lease
+                        };
+                        slot.set(
+                            &name,
+                            Millis {
+                                ms,
+                                span: expr.span(),
+                            },
+                            errors,
+                        );
+                    }
+                    Err(e) => errors.push(e),
+                }
+            }
+            "max_attempts" => {
+                let expr: Expr = meta.value()?.parse()?;
+                match int_literal(&expr).map(|lit| lit.base10_parse::<u32>()) {
+                    Some(Ok(0)) => errors.at(
+                        expr.span(),
+                        "`max_attempts` must be at least 1: it counts the first attempt too",
+                    ),
+                    Some(Ok(n)) => self.max_attempts.set(&name, (n, expr.span()), errors),
+                    _ => errors.at(
+                        expr.span(),
+                        "`max_attempts` takes a whole number from 1, e.g. `max_attempts = 5`",
+                    ),
+                }
+            }
+            "store" => {
+                let expr: Expr = meta.value()?.parse()?;
+                self.store.set(&name, expr, errors);
+            }
+            "message" => {
+                let expr: Expr = meta.value()?.parse()?;
+                match expr {
+                    Expr::Path(p) if p.path.get_ident().is_some() && p.qself.is_none() => {
+                        let ident = p.path.get_ident().cloned();
+                        if let Some(ident) = ident {
+                            self.message.set(&name, ident, errors);
+                        }
+                    }
+                    other => errors.at(
+                        other.span(),
+                        "`message` takes the name of an argument, e.g. `message = order`",
+                    ),
+                }
+            }
+            "key_fn" | "on_terminal" | "classify" | "crate" => {
+                let value = meta.value()?;
+                let path: Path = if value.peek(LitStr) {
+                    // `crate = "::my::reexport"`, as tokio's attribute spells it.
+                    let lit: LitStr = value.parse()?;
+                    match lit.parse::<Path>() {
+                        Ok(p) => p,
+                        Err(_) => {
+                            errors.at(
+                                lit.span(),
+                                format_args!(
+                                    "`{name}` takes a path, e.g. `{name} = my_crate::item`"
+                                ),
+                            );
+                            return Ok(());
+                        }
+                    }
+                } else {
+                    match value.parse::<Expr>()? {
+                        Expr::Path(p) if p.qself.is_none() => p.path,
+                        other => {
+                            errors.at(
+                                other.span(),
+                                format_args!(
+                                    "`{name}` takes a path, e.g. `{name} = my_crate::item`"
+                                ),
+                            );
+                            return Ok(());
+                        }
+                    }
+                };
+                let slot = match name.to_string().as_str() {
+                    "key_fn" => &mut self.key_fn,
+                    "on_terminal" => &mut self.on_terminal,
+                    "classify" => &mut self.classify,
+                    _ => &mut self.krate,
+                };
+                slot.set(&name, path, errors);
+            }
+            "cache" | "validate" => {
+                let expr: Expr = meta.value()?.parse()?;
+                match &expr {
+                    Expr::Lit(syn::ExprLit { lit: Lit::Bool(LitBool { value: false, .. }), .. }) => {}
+                    Expr::Lit(syn::ExprLit { lit: Lit::Bool(LitBool { value: true, .. }), .. }) => {
+                        errors.at(
+                            name.span(),
+                            format_args!("`{name}` is not supported yet: it arrives with JSON payload support; remove it for now"),
+                        )
+                    }
+                    other => errors.at(other.span(), format_args!("`{name}` takes `true` or `false`")),
+                }
+            }
+            _ => {
+                skip_value(&meta)?;
+                errors.at(
+                    name.span(),
+                    format_args!("unknown argument `{name}`; expected one of: {KNOWN}"),
+                );
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Consumes `= value` after an unknown name, if present.
+fn skip_value(meta: &ParseNestedMeta) -> syn::Result<()> {
+    if meta.input.peek(syn::Token![=]) {
+        let _: Expr = meta.value()?.parse()?;
+    }
+    Ok(())
+}
+
+/// A string literal value; `None` (with the error recorded) for any other expression.
+fn string(
+    meta: &ParseNestedMeta,
+    name: &Ident,
+    example: &str,
+    errors: &mut Errors,
+) -> syn::Result<Option<LitStr>> {
+    let expr: Expr = meta.value()?.parse()?;
+    Ok(match expr {
+        Expr::Lit(syn::ExprLit {
+            lit: Lit::Str(lit), ..
+        }) => Some(lit),
+        other => {
+            errors.at(other.span(), format_args!("`{name}` takes {example}"));
+            None
+        }
+    })
+}
+
+fn int_literal(expr: &Expr) -> Option<&LitInt> {
+    match expr {
+        Expr::Lit(syn::ExprLit {
+            lit: Lit::Int(lit), ..
+        }) => Some(lit),
+        _ => None,
+    }
+}
+
+/// `600` (seconds) or `"500ms"`, `"10m"`, `"1h30m"`; greater than zero.
+fn duration(expr: &Expr, name: &Ident) -> syn::Result<u64> {
+    let what = if name == "ttl" {
+        "the time a completed message stays deduplicated"
+    } else {
+        "how long a claim holds without renewal"
+    };
+    let usage = format!(
+        "`{name}` takes whole seconds (`{name} = 600`) or a string with units (`{name} = \"500ms\"`, `\"10m\"`, `\"1h30m\"`; units ms, s, m, h, d)"
+    );
+    let ms = match expr {
+        Expr::Lit(syn::ExprLit {
+            lit: Lit::Int(lit), ..
+        }) => lit
+            .base10_parse::<u64>()
+            .ok()
+            .and_then(|s| s.checked_mul(1000))
+            .ok_or_else(|| syn::Error::new(lit.span(), &usage))?,
+        Expr::Lit(syn::ExprLit {
+            lit: Lit::Str(lit), ..
+        }) => parse_duration(&lit.value()).ok_or_else(|| syn::Error::new(lit.span(), &usage))?,
+        other => return Err(syn::Error::new(other.span(), usage)),
+    };
+    if ms == 0 {
+        return Err(syn::Error::new(
+            expr.span(),
+            format!("`{name}` must be greater than 0: it is {what}"),
+        ));
+    }
+    Ok(ms)
+}
+
+/// Parses `"1h30m"`-style durations into milliseconds.
+fn parse_duration(text: &str) -> Option<u64> {
+    let mut rest = text.trim();
+    if rest.is_empty() {
+        return None;
+    }
+    let mut total: u64 = 0;
+    while !rest.is_empty() {
+        let digits = rest
+            .find(|c: char| !c.is_ascii_digit())
+            .unwrap_or(rest.len());
+        if digits == 0 {
+            return None;
+        }
+        let number: u64 = rest[..digits].parse().ok()?;
+        rest = &rest[digits..];
+        let unit_len = rest
+            .find(|c: char| c.is_ascii_digit())
+            .unwrap_or(rest.len());
+        let factor = match &rest[..unit_len] {
+            "ms" => 1,
+            "s" => 1_000,
+            "m" => 60_000,
+            "h" => 3_600_000,
+            "d" => 86_400_000,
+            _ => return None,
+        };
+        rest = &rest[unit_len..];
+        total = total.checked_add(number.checked_mul(factor)?)?;
+    }
+    Some(total)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::parse_duration;
+
+    #[test]
+    fn durations() {
+        assert_eq!(parse_duration("500ms"), Some(500));
+        assert_eq!(parse_duration("10m"), Some(600_000));
+        assert_eq!(parse_duration("1h30m"), Some(5_400_000));
+        assert_eq!(parse_duration("2d"), Some(172_800_000));
+        assert_eq!(parse_duration("10"), None);
+        assert_eq!(parse_duration("m"), None);
+        assert_eq!(parse_duration("10 m"), None);
+        assert_eq!(parse_duration(""), None);
+    }
+}

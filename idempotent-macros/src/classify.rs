@@ -1,0 +1,168 @@
+//! `#[derive(Classify)]`: maps `#[idempotent(retryable | terminal | transparent)]`
+//! marks on an enum's variants (or a struct) to `Classify::class`.
+
+use proc_macro2::{Span, TokenStream};
+use quote::quote;
+use syn::spanned::Spanned;
+use syn::{Attribute, Data, DeriveInput, Fields, Path, parse_quote};
+
+use crate::args::Errors;
+
+#[derive(Clone)]
+enum Mark {
+    Retryable,
+    Terminal,
+    /// Delegates to the single field's own `Classify`.
+    Transparent,
+}
+
+struct Marks {
+    mark: Option<(Span, Mark)>,
+    krate: Option<Path>,
+}
+
+pub fn derive(item: TokenStream) -> TokenStream {
+    match expand(item) {
+        Ok(tokens) => tokens,
+        Err(e) => e.to_compile_error(),
+    }
+}
+
+fn expand(item: TokenStream) -> syn::Result<TokenStream> {
+    let input: DeriveInput = syn::parse2(item)?;
+    let mut errors = Errors::default();
+    let top = marks(&input.attrs, true, &mut errors);
+    let krate = top
+        .krate
+        .clone()
+        .unwrap_or_else(|| parse_quote!(::idempotent));
+    let class = |mark: &Mark, fields: &Fields, span: Span, errors: &mut Errors| match mark {
+        Mark::Retryable => quote!(#krate::ErrorClass::Retryable),
+        Mark::Terminal => quote!(#krate::ErrorClass::Terminal),
+        Mark::Transparent => {
+            if fields.len() != 1 {
+                errors.at(
+                    span,
+                    "`transparent` delegates to the one field's own `Classify`: use it on a \
+                     variant or struct with exactly one field",
+                );
+            }
+            quote!(#krate::Classify::class(__idempotent_inner))
+        }
+    };
+    let pattern = |path: TokenStream, fields: &Fields, mark: &Mark| match (fields, mark) {
+        (Fields::Named(f), Mark::Transparent) => {
+            let name = f.named.first().and_then(|f| f.ident.clone());
+            quote!(#path { #name: __idempotent_inner, .. })
+        }
+        (Fields::Unnamed(_), Mark::Transparent) => quote!(#path(__idempotent_inner, ..)),
+        (Fields::Named(_), _) => quote!(#path { .. }),
+        (Fields::Unnamed(_), _) => quote!(#path(..)),
+        (Fields::Unit, _) => quote!(#path),
+    };
+
+    let body = match &input.data {
+        Data::Enum(data) => {
+            let arms: Vec<TokenStream> = data
+                .variants
+                .iter()
+                .filter_map(|variant| {
+                    let own = marks(&variant.attrs, false, &mut errors);
+                    let mark = own.mark.or_else(|| top.mark.clone());
+                    let Some((span, mark)) = mark else {
+                        errors.at(
+                            variant.ident.span(),
+                            format_args!(
+                                "variant `{}` has no class: mark it #[idempotent(retryable)] or \
+                                 #[idempotent(terminal)], or give the enum a default with one of \
+                                 those on the enum itself",
+                                variant.ident
+                            ),
+                        );
+                        return None;
+                    };
+                    let ident = &variant.ident;
+                    let pat = pattern(quote!(Self::#ident), &variant.fields, &mark);
+                    let class = class(&mark, &variant.fields, span, &mut errors);
+                    Some(quote!(#pat => #class,))
+                })
+                .collect();
+            quote!(match self { #(#arms)* })
+        }
+        Data::Struct(data) => match &top.mark {
+            Some((span, mark)) => {
+                let pat = pattern(quote!(Self), &data.fields, mark);
+                let class = class(mark, &data.fields, *span, &mut errors);
+                quote!(let #pat = self; #class)
+            }
+            None => {
+                errors.at(
+                    input.ident.span(),
+                    "mark the struct #[idempotent(retryable)], #[idempotent(terminal)] or \
+                     #[idempotent(transparent)] to say how its errors are classified",
+                );
+                quote!(::core::unreachable!())
+            }
+        },
+        Data::Union(u) => {
+            errors.at(
+                u.union_token.span(),
+                "#[derive(Classify)] supports enums and structs",
+            );
+            quote!(::core::unreachable!())
+        }
+    };
+    errors.finish()?;
+
+    let name = &input.ident;
+    let (impl_generics, ty_generics, where_clause) = input.generics.split_for_impl();
+    Ok(quote! {
+        #[automatically_derived]
+        impl #impl_generics #krate::Classify for #name #ty_generics #where_clause {
+            fn class(&self) -> #krate::ErrorClass {
+                #body
+            }
+        }
+    })
+}
+
+/// Reads `#[idempotent(...)]` marks. `crate = path` is accepted on the type only.
+fn marks(attrs: &[Attribute], top: bool, errors: &mut Errors) -> Marks {
+    let mut marks = Marks {
+        mark: None,
+        krate: None,
+    };
+    for attr in attrs.iter().filter(|a| a.path().is_ident("idempotent")) {
+        let result = attr.parse_nested_meta(|meta| {
+            let span = meta.path.span();
+            let mark = if meta.path.is_ident("retryable") {
+                Mark::Retryable
+            } else if meta.path.is_ident("terminal") {
+                Mark::Terminal
+            } else if meta.path.is_ident("transparent") {
+                Mark::Transparent
+            } else if top && meta.path.is_ident("crate") {
+                let lit: syn::LitStr = meta.value()?.parse()?;
+                marks.krate = Some(lit.parse()?);
+                return Ok(());
+            } else {
+                errors.at(
+                    span,
+                    "unknown mark: expected #[idempotent(retryable)], #[idempotent(terminal)] \
+                     or #[idempotent(transparent)]",
+                );
+                return Ok(());
+            };
+            if marks.mark.is_some() {
+                errors.at(span, "give one class: retryable, terminal or transparent");
+            } else {
+                marks.mark = Some((span, mark));
+            }
+            Ok(())
+        });
+        if let Err(e) = result {
+            errors.push(e);
+        }
+    }
+    marks
+}

@@ -1,0 +1,499 @@
+//! Checks the attribute against the function and writes the idempotent version.
+
+use proc_macro2::{Span, TokenStream};
+use quote::{quote, quote_spanned};
+use syn::spanned::Spanned;
+use syn::{
+    FnArg, GenericArgument, Ident, ItemFn, LitStr, Pat, PathArguments, ReturnType, Type,
+    parse_quote,
+};
+
+use crate::args::{Args, Errors};
+use crate::template::{self, Segment};
+
+const DEFAULT_TTL_MS: u64 = 24 * 60 * 60 * 1000;
+const DEFAULT_LEASE_MS: u64 = 30 * 1000;
+const DEFAULT_MAX_ATTEMPTS: u32 = 5;
+
+/// Entry point. Never drops the user's function: on any error it is emitted as
+/// written, next to the errors, so the rest of the crate still type-checks.
+pub fn idempotent(args: TokenStream, item: TokenStream) -> TokenStream {
+    let mut errors = Errors::default();
+    let mut parsed = Args::default();
+    let parser = syn::meta::parser(|meta| parsed.parse(meta, &mut errors));
+    if let Err(e) = syn::parse::Parser::parse2(parser, args) {
+        errors.push(e);
+    }
+    let func: ItemFn = match syn::parse2(item.clone()) {
+        Ok(func) => func,
+        Err(_) => {
+            let e = syn::Error::new(
+                Span::call_site(),
+                "#[idempotent] goes on an `async fn` with a body: a free function, an `impl` \
+                 method or a method in a trait impl",
+            );
+            return with_errors(item, e);
+        }
+    };
+    match Handler::check(parsed, &func, errors) {
+        Ok(handler) => handler.expand(func),
+        Err(e) => with_errors(item, e),
+    }
+}
+
+fn with_errors(item: TokenStream, error: syn::Error) -> TokenStream {
+    let errors = error.to_compile_error();
+    quote!(#item #errors)
+}
+
+/// What the handler's return type says about failure.
+enum Returns {
+    /// `Result<T, E>`, or a one-argument alias like `io::Result<T>`.
+    Fallible { ok: TokenStream, err: TokenStream },
+    /// Anything else: the handler cannot fail.
+    Infallible { ok: TokenStream },
+}
+
+/// Where a placeholder's value comes from.
+struct Access {
+    label: String,
+    expr: TokenStream,
+}
+
+/// Everything the expansion needs, checked.
+struct Handler {
+    krate: syn::Path,
+    namespace: String,
+    ttl_ms: u64,
+    lease_ms: u64,
+    max_attempts: u32,
+    store: Option<syn::Expr>,
+    classify: Option<syn::Path>,
+    on_terminal: Option<syn::Path>,
+    key: Vec<KeyPart>,
+    returns: Returns,
+}
+
+enum KeyPart {
+    Text(String),
+    Field(Access),
+}
+
+impl Handler {
+    fn check(mut args: Args, func: &ItemFn, mut errors: Errors) -> syn::Result<Handler> {
+        let sig = &func.sig;
+        let krate = args
+            .krate
+            .take()
+            .unwrap_or_else(|| parse_quote!(::idempotent));
+        if sig.asyncness.is_none() {
+            errors.at(
+                sig.fn_token.span,
+                "#[idempotent] needs an `async fn`: the claim and the store calls are awaited; \
+                 write `async fn`",
+            );
+        }
+        if let Some(variadic) = &sig.variadic {
+            errors.at(
+                variadic.span(),
+                "#[idempotent] does not support variadic functions",
+            );
+        }
+
+        // Named arguments, in order; `self` is never the message.
+        let mut has_receiver = false;
+        let mut named: Vec<(&Ident, &syn::PatType)> = Vec::new();
+        let mut unnamed: Vec<&syn::PatType> = Vec::new();
+        for input in &sig.inputs {
+            match input {
+                FnArg::Receiver(_) => has_receiver = true,
+                FnArg::Typed(pt) => match &*pt.pat {
+                    Pat::Ident(p) if p.subpat.is_none() => named.push((&p.ident, pt)),
+                    _ => unnamed.push(pt),
+                },
+            }
+        }
+
+        let message: Option<Ident> = match args.message.take() {
+            Some(ident) if ident == "self" => {
+                errors.at(
+                    ident.span(),
+                    "`self` can't be the message: name the argument that carries it, e.g. \
+                     `message = order`; read receiver fields with `{self.field}` in the key",
+                );
+                None
+            }
+            Some(ident) => {
+                if named.iter().any(|(n, _)| **n == ident) {
+                    Some(ident)
+                } else {
+                    let names: Vec<String> = named.iter().map(|(n, _)| n.to_string()).collect();
+                    errors.at(
+                        ident.span(),
+                        format_args!(
+                            "`message = {ident}`: no argument is named `{ident}`; the arguments are: {}",
+                            if names.is_empty() { "(none)".to_owned() } else { names.join(", ") }
+                        ),
+                    );
+                    None
+                }
+            }
+            None => match sig.inputs.iter().find_map(|i| match i {
+                FnArg::Typed(pt) => Some(pt),
+                FnArg::Receiver(_) => None,
+            }) {
+                Some(pt) => match &*pt.pat {
+                    Pat::Ident(p) if p.subpat.is_none() => Some(p.ident.clone()),
+                    pat => {
+                        errors.at(
+                            pat.span(),
+                            "the message argument must be a plain name so the key can read it: \
+                             bind it as `msg: Type` and destructure inside the body",
+                        );
+                        None
+                    }
+                },
+                None => {
+                    errors.at(
+                        sig.ident.span(),
+                        "#[idempotent] needs a message argument to build the key from: add one, \
+                         e.g. `msg: OrderPlaced`",
+                    );
+                    None
+                }
+            },
+        };
+
+        // Key: a template or a function, not both.
+        let mut key = Vec::new();
+        match (args.key.take(), args.key_fn.take()) {
+            (Some(_), Some(path)) => errors.at(
+                path.span(),
+                "give either `key` or `key_fn`, not both: `key_fn` replaces the template",
+            ),
+            (None, None) => errors.at(
+                Span::call_site(),
+                "missing `key`: say what identifies a message, e.g. \
+                 #[idempotent(key = \"order:{order_id}\")], or pass `key_fn = path`",
+            ),
+            (Some(lit), None) => match template::parse(&lit) {
+                Ok(segments) => {
+                    for segment in segments {
+                        match segment {
+                            Segment::Text(text) => key.push(KeyPart::Text(text)),
+                            Segment::Placeholder(parts) => {
+                                let resolved =
+                                    resolve(&parts, &lit, has_receiver, &named, message.as_ref());
+                                match resolved {
+                                    Ok(access) => key.push(KeyPart::Field(access)),
+                                    Err(e) => errors.push(e),
+                                }
+                            }
+                        }
+                    }
+                }
+                Err(e) => errors.push(e),
+            },
+            (None, Some(path)) => {
+                if let Some(msg) = &message {
+                    let expr = quote_spanned!(path.span()=> #path(&#msg));
+                    key.push(KeyPart::Field(Access {
+                        label: "key_fn".to_owned(),
+                        expr,
+                    }));
+                }
+            }
+        }
+
+        let ttl_ms = args.ttl.get().map_or(DEFAULT_TTL_MS, |t| t.ms);
+        let lease_ms = match args.lease.get() {
+            Some(lease) => {
+                if lease.ms > ttl_ms {
+                    errors.at(
+                        lease.span,
+                        format_args!(
+                            "`lease` ({}) must not exceed `ttl` ({}): a claim can't outlive the \
+                             window in which its key is deduplicated",
+                            human(lease.ms),
+                            human(ttl_ms)
+                        ),
+                    );
+                }
+                lease.ms
+            }
+            None => DEFAULT_LEASE_MS.min(ttl_ms),
+        };
+
+        let namespace = match args.namespace.get() {
+            Some(lit) => {
+                let value = lit.value();
+                if value.is_empty() || value.contains(':') {
+                    errors.at(
+                        lit.span(),
+                        "`namespace` must be non-empty and must not contain `:` (it separates \
+                         the namespace from the key)",
+                    );
+                }
+                value
+            }
+            None => sig.ident.to_string().trim_start_matches("r#").to_owned(),
+        };
+
+        let returns = returns(&sig.output, &krate);
+        if let Returns::Infallible { .. } = returns {
+            for (name, span) in [
+                ("classify", args.classify.span()),
+                ("on_terminal", args.on_terminal.span()),
+            ] {
+                if let Some(span) = span {
+                    errors.at(
+                        span,
+                        format_args!(
+                            "`{name}` has no effect here: the handler can't fail, because its \
+                             return type is not a `Result`"
+                        ),
+                    );
+                }
+            }
+        }
+
+        errors.finish()?;
+        Ok(Handler {
+            krate,
+            namespace,
+            ttl_ms,
+            lease_ms,
+            max_attempts: args
+                .max_attempts
+                .get()
+                .map_or(DEFAULT_MAX_ATTEMPTS, |(n, _)| *n),
+            store: args.store.take(),
+            classify: args.classify.take(),
+            on_terminal: args.on_terminal.take(),
+            key,
+            returns,
+        })
+    }
+
+    fn expand(self, mut func: ItemFn) -> TokenStream {
+        let Handler {
+            krate,
+            namespace,
+            ttl_ms,
+            lease_ms,
+            max_attempts,
+            ..
+        } = &self;
+        let private = quote!(#krate::__private);
+        let key_var = Ident::new("__idempotent_key", Span::mixed_site());
+        let store_var = Ident::new("__idempotent_store", Span::mixed_site());
+
+        let parts = self.key.iter().map(|part| match part {
+            KeyPart::Text(text) => quote!(#key_var.text(#text);),
+            KeyPart::Field(Access { label, expr }) => {
+                quote_spanned!(expr.span()=> #key_var.field(#label, &#expr);)
+            }
+        });
+        let build_key = quote! {
+            let mut #key_var = #private::KeyBuilder::new(#namespace);
+            #(#parts)*
+            let #key_var = #key_var.finish();
+        };
+        let store = match &self.store {
+            Some(expr) => quote! {
+                let #store_var = &(#expr);
+                let #store_var = {
+                    use #private::AsStore as _;
+                    #store_var.__idempotent_as_store()
+                };
+            },
+            None => quote!(let #store_var = &#private::DefaultStore;),
+        };
+        let spec = quote! {
+            #private::Spec {
+                ttl: ::core::time::Duration::from_millis(#ttl_ms),
+                lease: ::core::time::Duration::from_millis(#lease_ms),
+                max_attempts: #max_attempts,
+            }
+        };
+
+        let body = body_block(&func);
+        let (output, call) = match &self.returns {
+            Returns::Fallible { ok, err } => {
+                let classify = match &self.classify {
+                    Some(path) => quote!(#path),
+                    None => quote_spanned!(err.span()=> <#err as #krate::Classify>::class),
+                };
+                let on_terminal = match &self.on_terminal {
+                    Some(path) => quote!(#path),
+                    None => quote!(#private::process_sink),
+                };
+                (
+                    quote!(::core::result::Result<#krate::Outcome<#ok>, #krate::Error<#err>>),
+                    quote! {
+                        #private::run(#spec, #store_var, #key_var, #classify, #on_terminal, #body).await
+                    },
+                )
+            }
+            Returns::Infallible { ok } => (
+                quote!(::core::result::Result<#krate::Outcome<#ok>, #krate::Error<::core::convert::Infallible>>),
+                quote!(#private::run_infallible(#spec, #store_var, #key_var, #body).await),
+            ),
+        };
+
+        func.sig.output = parse_quote!(-> #output);
+        let new_body = quote!({
+            #build_key
+            #store
+            #call
+        });
+        func.block = Box::new(parse_quote!(#new_body));
+        quote!(#func)
+    }
+}
+
+/// The user's body as an `async move` block. A never-taken `return` typed as the
+/// declared return type lets rustc infer `?` conversions and report type errors
+/// against the user's own code.
+fn body_block(func: &ItemFn) -> TokenStream {
+    let stmts = &func.block.stmts;
+    let fake_return = match &func.sig.output {
+        ReturnType::Type(_, ty) if !mentions_impl_trait(ty) => {
+            let fake = Ident::new("__idempotent_fake_return", Span::mixed_site());
+            quote! {
+                #[allow(
+                    unknown_lints,
+                    unreachable_code,
+                    clippy::diverging_sub_expression,
+                    clippy::let_unit_value,
+                    clippy::unreachable,
+                    clippy::empty_loop,
+                    clippy::needless_return
+                )]
+                if false {
+                    let #fake: #ty = loop {};
+                    return #fake;
+                }
+            }
+        }
+        _ => quote!(),
+    };
+    quote_spanned!(func.block.span()=> async move { #fake_return #(#stmts)* })
+}
+
+fn mentions_impl_trait(ty: &Type) -> bool {
+    quote!(#ty)
+        .into_iter()
+        .any(|t| matches!(t, proc_macro2::TokenTree::Ident(i) if i == "impl"))
+}
+
+fn returns(output: &ReturnType, krate: &syn::Path) -> Returns {
+    let ty = match output {
+        ReturnType::Default => return Returns::Infallible { ok: quote!(()) },
+        ReturnType::Type(_, ty) => ty,
+    };
+    if let Type::Path(path) = &**ty {
+        if let Some(last) = path.path.segments.last() {
+            if last.ident == "Result" {
+                if let PathArguments::AngleBracketed(generics) = &last.arguments {
+                    let types: Vec<&Type> = generics
+                        .args
+                        .iter()
+                        .filter_map(|a| match a {
+                            GenericArgument::Type(t) => Some(t),
+                            _ => None,
+                        })
+                        .collect();
+                    match types.as_slice() {
+                        [ok, err] => {
+                            return Returns::Fallible {
+                                ok: quote!(#ok),
+                                err: quote!(#err),
+                            };
+                        }
+                        [_] => {
+                            let parts = quote!(<#ty as #krate::__private::HandlerResult>);
+                            return Returns::Fallible {
+                                ok: quote!(#parts::Ok),
+                                err: quote!(#parts::Err),
+                            };
+                        }
+                        _ => {}
+                    }
+                }
+            }
+        }
+    }
+    Returns::Infallible { ok: quote!(#ty) }
+}
+
+/// Resolves `{a.b.c}`: `self` and argument names first, then a path on the message.
+fn resolve(
+    parts: &[String],
+    lit: &LitStr,
+    has_receiver: bool,
+    named: &[(&Ident, &syn::PatType)],
+    message: Option<&Ident>,
+) -> syn::Result<Access> {
+    let span = lit.span();
+    let label = parts.join(".");
+    let members = |parts: &[String]| -> syn::Result<Vec<syn::Member>> {
+        parts
+            .iter()
+            .map(|p| {
+                let mut member: syn::Member = syn::parse_str(p).map_err(|_| {
+                    syn::Error::new(
+                        span,
+                        format_args!("`{p}` in `{{{label}}}` is not a field name"),
+                    )
+                })?;
+                match &mut member {
+                    syn::Member::Named(ident) => ident.set_span(span),
+                    syn::Member::Unnamed(index) => index.span = span,
+                }
+                Ok(member)
+            })
+            .collect()
+    };
+    let first = &parts[0];
+    let (base, rest): (TokenStream, &[String]) = if first == "self" {
+        if !has_receiver {
+            return Err(syn::Error::new(
+                span,
+                format_args!(
+                    "`{{{label}}}` reads `self`, but this function has no `self` argument"
+                ),
+            ));
+        }
+        (quote_spanned!(span=> self), &parts[1..])
+    } else if let Some((ident, _)) = named.iter().find(|(n, _)| *n == first) {
+        let mut ident = (*ident).clone();
+        ident.set_span(ident.span().located_at(span));
+        (quote!(#ident), &parts[1..])
+    } else if let Some(msg) = message {
+        let mut msg = msg.clone();
+        msg.set_span(msg.span().located_at(span));
+        (quote!(#msg), parts)
+    } else {
+        return Err(syn::Error::new(
+            span,
+            format_args!(
+                "`{{{label}}}` names no argument, and there is no message argument to read it from"
+            ),
+        ));
+    };
+    let members = members(rest)?;
+    Ok(Access {
+        label,
+        expr: quote!(#base #(.#members)*),
+    })
+}
+
+/// `90000` → `"90s"`, for messages.
+fn human(ms: u64) -> String {
+    if ms % 1000 == 0 {
+        format!("{}s", ms / 1000)
+    } else {
+        format!("{ms}ms")
+    }
+}

@@ -1,0 +1,148 @@
+//! Key templates: `"order:{order_id}"`, `{a.b.c}` paths, `{{`/`}}` escapes.
+
+use syn::LitStr;
+
+/// One piece of a key template.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Segment {
+    /// Literal text, escapes resolved.
+    Text(String),
+    /// `{a.b.c}`: the path's parts, as written.
+    Placeholder(Vec<String>),
+}
+
+/// Splits a template into text and placeholders. Errors point at the literal and say
+/// which part is wrong and how to write it.
+pub fn parse(lit: &LitStr) -> syn::Result<Vec<Segment>> {
+    let err = |message: String| syn::Error::new(lit.span(), message);
+    let source = lit.value();
+    let mut segments = Vec::new();
+    let mut text = String::new();
+    let mut chars = source.char_indices().peekable();
+    while let Some((at, c)) = chars.next() {
+        match c {
+            '{' if chars.peek().map(|&(_, c)| c) == Some('{') => {
+                chars.next();
+                text.push('{');
+            }
+            '}' if chars.peek().map(|&(_, c)| c) == Some('}') => {
+                chars.next();
+                text.push('}');
+            }
+            '}' => {
+                return Err(err(format!(
+                    "unmatched `}}` at byte {at} of the key template: write `}}}}` for a literal brace"
+                )));
+            }
+            '{' => {
+                let Some(len) = source[at + 1..].find('}') else {
+                    return Err(err(format!(
+                        "unclosed `{{` at byte {at} of the key template: close the placeholder with `}}`, or write `{{{{` for a literal brace"
+                    )));
+                };
+                let inner = &source[at + 1..at + 1 + len];
+                while chars.peek().is_some_and(|&(i, _)| i <= at + 1 + len) {
+                    chars.next();
+                }
+                if !text.is_empty() {
+                    segments.push(Segment::Text(std::mem::take(&mut text)));
+                }
+                segments.push(Segment::Placeholder(placeholder(inner).map_err(err)?));
+            }
+            c => text.push(c),
+        }
+    }
+    if !text.is_empty() {
+        segments.push(Segment::Text(text));
+    }
+    if !segments
+        .iter()
+        .any(|s| matches!(s, Segment::Placeholder(_)))
+    {
+        return Err(err(format!(
+            "key template `{source}` has no placeholder, so every message would share one key: \
+             add one, e.g. `\"{source}{{order_id}}\"`, or use `key_fn = ...`"
+        )));
+    }
+    Ok(segments)
+}
+
+fn placeholder(inner: &str) -> Result<Vec<String>, String> {
+    if inner.is_empty() {
+        return Err(
+            "empty placeholder `{}` in the key template: name a field of the message, \
+                    e.g. `{order_id}`, or another argument, e.g. `{tenant}`"
+                .to_owned(),
+        );
+    }
+    if inner.starts_with('/') {
+        return Err(format!(
+            "JSON pointer placeholders such as `{{{inner}}}` are not supported yet: they arrive \
+             with JSON payload support; use a field placeholder such as `{{order_id}}`"
+        ));
+    }
+    let parts: Vec<String> = inner.split('.').map(str::to_owned).collect();
+    let valid = |p: &String| {
+        let ident = p
+            .chars()
+            .next()
+            .is_some_and(|c| c == '_' || c.is_alphabetic())
+            && p.chars().all(|c| c == '_' || c.is_alphanumeric());
+        let index = !p.is_empty() && p.chars().all(|c| c.is_ascii_digit());
+        (ident && p != "_") || index
+    };
+    if !parts.iter().all(valid) {
+        return Err(format!(
+            "`{{{inner}}}` is not a field path: write `{{field}}`, `{{field.sub_field}}` or \
+             `{{argument}}`, without spaces"
+        ));
+    }
+    Ok(parts)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn segments(s: &str) -> Result<Vec<Segment>, String> {
+        parse(&LitStr::new(s, proc_macro2::Span::call_site())).map_err(|e| e.to_string())
+    }
+
+    fn ph(parts: &[&str]) -> Segment {
+        Segment::Placeholder(parts.iter().map(|s| s.to_string()).collect())
+    }
+
+    #[test]
+    fn text_placeholders_and_escapes() {
+        assert_eq!(
+            segments("order:{order_id}/{{x}}:{a.b.0}").unwrap(),
+            vec![
+                Segment::Text("order:".into()),
+                ph(&["order_id"]),
+                Segment::Text("/{x}:".into()),
+                ph(&["a", "b", "0"]),
+            ]
+        );
+    }
+
+    #[test]
+    fn mistakes() {
+        assert!(segments("order").unwrap_err().contains("no placeholder"));
+        assert!(
+            segments("{{order}}")
+                .unwrap_err()
+                .contains("no placeholder")
+        );
+        assert!(segments("a{}").unwrap_err().contains("empty placeholder"));
+        assert!(segments("a{b").unwrap_err().contains("unclosed"));
+        assert!(segments("a}b{c}").unwrap_err().contains("unmatched"));
+        assert!(
+            segments("{/a/b}")
+                .unwrap_err()
+                .contains("not supported yet")
+        );
+        assert!(segments("{ a }").unwrap_err().contains("not a field path"));
+        assert!(segments("{a..b}").unwrap_err().contains("not a field path"));
+        assert!(segments("{a-b}").unwrap_err().contains("not a field path"));
+    }
+}

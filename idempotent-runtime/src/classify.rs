@@ -1,0 +1,121 @@
+//! Deciding whether a handler error is worth another delivery.
+
+use std::convert::Infallible;
+use std::io;
+
+/// Whether a failed message should be tried again.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum ErrorClass {
+    /// A passing condition (timeout, lost connection, lock contention): the key is
+    /// released and the broker should redeliver, up to `max_attempts`.
+    Retryable,
+    /// Trying again cannot help (invalid data, insufficient funds): the key is kept
+    /// as FAILED for the dedupe window, an alert is sent, the message is dead-lettered.
+    Terminal,
+}
+
+/// Classifies a handler's error type.
+///
+/// Derive it on an error enum with `#[derive(Classify)]` and mark variants
+/// `#[idempotent(retryable)]` or `#[idempotent(terminal)]` (a mark on the enum
+/// itself is the default for unmarked variants), or implement it by hand:
+///
+/// ```
+/// use idempotent_runtime::{Classify, ErrorClass};
+///
+/// enum ChargeError { Timeout, Declined }
+///
+/// impl Classify for ChargeError {
+///     fn class(&self) -> ErrorClass {
+///         match self {
+///             ChargeError::Timeout => ErrorClass::Retryable,
+///             ChargeError::Declined => ErrorClass::Terminal,
+///         }
+///     }
+/// }
+/// ```
+pub trait Classify {
+    /// The class of this error.
+    fn class(&self) -> ErrorClass;
+}
+
+impl<T: Classify + ?Sized> Classify for &T {
+    fn class(&self) -> ErrorClass {
+        (**self).class()
+    }
+}
+
+impl<T: Classify + ?Sized> Classify for Box<T> {
+    fn class(&self) -> ErrorClass {
+        (**self).class()
+    }
+}
+
+impl Classify for Infallible {
+    fn class(&self) -> ErrorClass {
+        match *self {}
+    }
+}
+
+/// Transport and resource conditions retry; malformed input and refused permission
+/// do not. Kinds not listed retry: `max_attempts` still bounds them.
+impl Classify for io::Error {
+    fn class(&self) -> ErrorClass {
+        use io::ErrorKind::*;
+        match self.kind() {
+            InvalidInput | InvalidData | PermissionDenied | Unsupported | AlreadyExists => {
+                ErrorClass::Terminal
+            }
+            _ => ErrorClass::Retryable,
+        }
+    }
+}
+
+/// A deadline passed; the next attempt may be faster.
+impl Classify for tokio::time::error::Elapsed {
+    fn class(&self) -> ErrorClass {
+        ErrorClass::Retryable
+    }
+}
+
+macro_rules! terminal {
+    ($($ty:ty),* $(,)?) => {$(
+        /// Bad input parses the same way every time.
+        impl Classify for $ty {
+            fn class(&self) -> ErrorClass {
+                ErrorClass::Terminal
+            }
+        }
+    )*};
+}
+
+terminal!(
+    std::num::ParseIntError,
+    std::num::ParseFloatError,
+    std::num::TryFromIntError,
+    std::str::ParseBoolError,
+    std::str::Utf8Error,
+    std::string::FromUtf8Error,
+    std::char::ParseCharError,
+);
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn io_errors_split_by_kind() {
+        let timeout = io::Error::new(io::ErrorKind::TimedOut, "slow");
+        let bad = io::Error::new(io::ErrorKind::InvalidData, "garbage");
+        assert_eq!(timeout.class(), ErrorClass::Retryable);
+        assert_eq!(bad.class(), ErrorClass::Terminal);
+        assert_eq!((&bad).class(), ErrorClass::Terminal);
+        assert_eq!(Box::new(timeout).class(), ErrorClass::Retryable);
+    }
+
+    #[test]
+    fn parse_errors_are_terminal() {
+        let e = "x".parse::<u32>().unwrap_err();
+        assert_eq!(e.class(), ErrorClass::Terminal);
+    }
+}

@@ -1,0 +1,263 @@
+//! Why a call did not end in an [`Outcome`](crate::Outcome).
+
+use std::fmt;
+
+use crate::{Disposition, ErrorClass};
+
+/// Why a call to an `#[idempotent]` handler did not produce an
+/// [`Outcome`](crate::Outcome). `E` is the handler's own error type.
+///
+/// Each case says what happened to the record and, through
+/// [`disposition`](Error::disposition), what the consumer should do with the message.
+#[derive(Debug)]
+#[non_exhaustive]
+pub enum Error<E> {
+    /// The handler failed with a retryable error; the key was released (its attempt
+    /// count kept) so a redelivery runs the handler again.
+    Retryable {
+        /// The handler's error.
+        error: E,
+        /// Which attempt this was, from 1.
+        attempt: u32,
+    },
+    /// The handler failed for good: its error is terminal, or it was retryable but this
+    /// was attempt `max_attempts`. The key is kept as FAILED for the dedupe window and
+    /// an alert was sent.
+    Terminal {
+        /// The handler's error.
+        error: E,
+        /// Which attempt this was, from 1.
+        attempt: u32,
+        /// `true` when the error was retryable but the attempts ran out.
+        exhausted: bool,
+    },
+    /// Earlier attempts never finished (the process died, panicked or was cancelled
+    /// mid-handler) and `max_attempts` is used up. The handler did not run this time;
+    /// the key is now FAILED and an alert was sent.
+    Abandoned {
+        /// How many attempts were started before this one.
+        attempts: u32,
+    },
+    /// An earlier delivery of this key already failed for good (the record is FAILED
+    /// and still within its dedupe window). The handler did not run.
+    PreviouslyFailed {
+        /// How many attempts the key had.
+        attempts: u32,
+    },
+    /// The handler panicked; the key was released so a redelivery runs it again.
+    Panicked {
+        /// The panic payload, when it was a string.
+        message: String,
+        /// Which attempt this was, from 1.
+        attempt: u32,
+    },
+    /// The idempotency key could not be built from the message. The handler did not run.
+    Key(KeyError),
+    /// The store could not be reached or gave an unusable answer.
+    Store {
+        /// What the store reported.
+        error: StoreError,
+        /// Whether the handler's body ran. `false`: nothing happened, redeliver.
+        /// `true`: the handler's effects happened but could not be recorded as done;
+        /// the key stays claimed until its lease runs out, then a redelivery runs again.
+        handler_ran: bool,
+    },
+    /// The handler ran, but its claim expired and another consumer took the key before
+    /// the result could be recorded. Nothing was overwritten; the other consumer's
+    /// record stands.
+    LeaseLost {
+        /// Which attempt this was, from 1.
+        attempt: u32,
+    },
+    /// The key was seen before with a different payload (only with `validate = true`).
+    /// The handler did not run.
+    PayloadMismatch,
+}
+
+impl<E> Error<E> {
+    /// Whether a redelivery may succeed: retryable handler errors, panics, store
+    /// errors and lost leases.
+    pub fn is_retryable(&self) -> bool {
+        self.disposition() == Disposition::Retry
+    }
+
+    /// Whether the message can never succeed: terminal handler errors, exhausted
+    /// attempts, key errors, payload mismatches and keys that failed before.
+    pub fn is_terminal(&self) -> bool {
+        self.disposition() == Disposition::DeadLetter
+    }
+
+    /// What the consumer should tell its broker.
+    pub fn disposition(&self) -> Disposition {
+        match self {
+            Error::Retryable { .. }
+            | Error::Panicked { .. }
+            | Error::Store { .. }
+            | Error::LeaseLost { .. } => Disposition::Retry,
+            Error::Terminal { .. }
+            | Error::Abandoned { .. }
+            | Error::PreviouslyFailed { .. }
+            | Error::Key(_)
+            | Error::PayloadMismatch => Disposition::DeadLetter,
+        }
+    }
+
+    /// The class of a handler error as it was treated, if the handler failed.
+    pub fn class(&self) -> Option<ErrorClass> {
+        match self {
+            Error::Retryable { .. } => Some(ErrorClass::Retryable),
+            Error::Terminal { .. } => Some(ErrorClass::Terminal),
+            _ => None,
+        }
+    }
+
+    /// The handler's own error, when the handler returned one.
+    pub fn handler_error(&self) -> Option<&E> {
+        match self {
+            Error::Retryable { error, .. } | Error::Terminal { error, .. } => Some(error),
+            _ => None,
+        }
+    }
+
+    /// Takes the handler's own error, when the handler returned one.
+    pub fn into_handler_error(self) -> Option<E> {
+        match self {
+            Error::Retryable { error, .. } | Error::Terminal { error, .. } => Some(error),
+            _ => None,
+        }
+    }
+}
+
+impl<E: fmt::Display> fmt::Display for Error<E> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Error::Retryable { error, attempt } => {
+                write!(
+                    f,
+                    "handler failed on attempt {attempt} (retryable, key released): {error}"
+                )
+            }
+            Error::Terminal {
+                error,
+                attempt,
+                exhausted: false,
+            } => {
+                write!(
+                    f,
+                    "handler failed on attempt {attempt} (terminal, key kept as failed): {error}"
+                )
+            }
+            Error::Terminal {
+                error,
+                attempt,
+                exhausted: true,
+            } => {
+                write!(
+                    f,
+                    "handler failed on attempt {attempt}, the last allowed (key kept as failed): {error}"
+                )
+            }
+            Error::Abandoned { attempts } => write!(
+                f,
+                "{attempts} earlier attempt(s) never finished and no attempts are left (key kept as failed)"
+            ),
+            Error::PreviouslyFailed { attempts } => {
+                write!(f, "key already failed for good after {attempts} attempt(s)")
+            }
+            Error::Panicked { message, attempt } => {
+                write!(
+                    f,
+                    "handler panicked on attempt {attempt} (key released): {message}"
+                )
+            }
+            Error::Key(e) => write!(f, "idempotency key could not be built: {e}"),
+            Error::Store {
+                error,
+                handler_ran: false,
+            } => {
+                write!(f, "store failed before the handler ran: {error}")
+            }
+            Error::Store {
+                error,
+                handler_ran: true,
+            } => write!(
+                f,
+                "store failed after the handler ran; its result was not recorded: {error}"
+            ),
+            Error::LeaseLost { attempt } => write!(
+                f,
+                "handler finished attempt {attempt} after its claim expired and another consumer took the key; nothing was recorded"
+            ),
+            Error::PayloadMismatch => {
+                write!(f, "key was seen before with a different payload")
+            }
+        }
+    }
+}
+
+impl<E> std::error::Error for Error<E>
+where
+    E: std::error::Error + 'static,
+{
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        match self {
+            Error::Retryable { error, .. } | Error::Terminal { error, .. } => Some(error),
+            Error::Key(e) => Some(e),
+            Error::Store { error, .. } => Some(error),
+            _ => None,
+        }
+    }
+}
+
+/// Why an idempotency key could not be built.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum KeyError {
+    /// A placeholder rendered as the empty string.
+    #[error("placeholder `{{{placeholder}}}` is empty")]
+    EmptyPlaceholder {
+        /// The placeholder as written in the template.
+        placeholder: &'static str,
+    },
+    /// The key (namespace included) is longer than [`MAX_KEY_LEN`](crate::MAX_KEY_LEN).
+    #[error("key is {len} bytes long; the limit is {max}")]
+    TooLong {
+        /// The key's length in bytes.
+        len: usize,
+        /// The limit.
+        max: usize,
+    },
+    /// The key's id part is empty.
+    #[error("key is empty")]
+    Empty,
+    /// The namespace is empty or contains `:`.
+    #[error("namespace `{namespace}` must be non-empty and must not contain `:`")]
+    InvalidNamespace {
+        /// The namespace given.
+        namespace: String,
+    },
+}
+
+/// A store could not carry out an operation.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum StoreError {
+    /// No `store = ...` on the handler and no process-wide default store.
+    #[error(
+        "no store configured: pass `store = ...` to #[idempotent] or call idempotent::set_default_store(..) at start-up"
+    )]
+    NotConfigured,
+    /// The backend failed or could not be reached.
+    #[error("store unavailable: {0}")]
+    Unavailable(#[source] Box<dyn std::error::Error + Send + Sync>),
+    /// The backend answered with something this store cannot interpret.
+    #[error("store returned an unexpected reply: {0}")]
+    Protocol(String),
+}
+
+impl StoreError {
+    /// Wraps a backend error.
+    pub fn unavailable(error: impl Into<Box<dyn std::error::Error + Send + Sync>>) -> Self {
+        StoreError::Unavailable(error.into())
+    }
+}

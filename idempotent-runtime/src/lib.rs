@@ -1,0 +1,41 @@
+//! The runtime behind the [`idempotent`](https://docs.rs/idempotent) crate.
+//!
+//! Users depend on `idempotent`, which re-exports everything here. This crate holds
+//! every piece of logic the `#[idempotent]` attribute relies on, as ordinary Rust:
+//!
+//! * [`Store`]: the record life cycle (claim, complete, release, fail, renew), each
+//!   transition conditional on the claim's [`Token`]; [`MemoryStore`] implements it
+//!   in process.
+//! * [`execute::run`]: claim, run the handler with lease renewal, record the result.
+//! * [`Outcome`], [`Error`], [`Disposition`]: what a call returns and what the
+//!   consumer should tell its broker.
+//! * [`Classify`] / [`ErrorClass`]: which handler errors are worth a retry.
+//! * [`alert`]: where terminal failures are reported.
+
+#![warn(missing_docs)]
+
+pub mod alert;
+mod classify;
+mod error;
+pub mod execute;
+mod key;
+mod memory;
+mod outcome;
+mod store;
+#[cfg(feature = "testing")]
+pub mod testing;
+
+pub use alert::{AlertSink, TerminalEvent, set_alert_sink};
+pub use classify::{Classify, ErrorClass};
+pub use error::{Error, KeyError, StoreError};
+pub use key::{Key, KeyBuilder, MAX_KEY_LEN};
+pub use memory::MemoryStore;
+pub use outcome::{Disposition, DispositionExt, Outcome};
+pub use store::{
+    AlreadySet, AsStore, Claim, DefaultStore, Store, Token, Transition, default_store,
+    set_default_store,
+};
+
+/// Re-exported so that hand-written [`Store`] implementations can use
+/// `#[idempotent::async_trait]` without adding the dependency themselves.
+pub use async_trait::async_trait;

@@ -1,0 +1,87 @@
+//! What a successful call returns, and what the consumer should tell its broker.
+
+use crate::Error;
+
+/// What happened to a message whose call did not fail.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[must_use = "an Outcome says whether the handler ran; a consumer acks on `disposition()`"]
+pub enum Outcome<T> {
+    /// The handler ran now and its success was recorded.
+    Processed(T),
+    /// The key was already processed within the dedupe window; the handler did not run.
+    Duplicate,
+    /// Another consumer holds a live claim on the key; the handler did not run.
+    /// Redeliver later: by then the key is done (a duplicate) or released.
+    InProgress,
+    /// A duplicate whose recorded result was returned (only with `cache = true`).
+    Replayed(T),
+}
+
+impl<T> Outcome<T> {
+    /// Ack for `Processed`, `Duplicate` and `Replayed`; retry for `InProgress`.
+    pub fn disposition(&self) -> Disposition {
+        match self {
+            Outcome::Processed(_) | Outcome::Duplicate | Outcome::Replayed(_) => Disposition::Ack,
+            Outcome::InProgress => Disposition::Retry,
+        }
+    }
+
+    /// Whether the handler ran during this call.
+    pub fn is_processed(&self) -> bool {
+        matches!(self, Outcome::Processed(_))
+    }
+
+    /// The handler's value, fresh or replayed.
+    pub fn into_value(self) -> Option<T> {
+        match self {
+            Outcome::Processed(v) | Outcome::Replayed(v) => Some(v),
+            Outcome::Duplicate | Outcome::InProgress => None,
+        }
+    }
+
+    /// Maps the handler's value.
+    pub fn map<U>(self, f: impl FnOnce(T) -> U) -> Outcome<U> {
+        match self {
+            Outcome::Processed(v) => Outcome::Processed(f(v)),
+            Outcome::Replayed(v) => Outcome::Replayed(f(v)),
+            Outcome::Duplicate => Outcome::Duplicate,
+            Outcome::InProgress => Outcome::InProgress,
+        }
+    }
+}
+
+/// What a consumer should do with the delivery it just handled.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Disposition {
+    /// Acknowledge (commit the offset): the message's effect is recorded, or it is a
+    /// duplicate of one that is.
+    Ack,
+    /// Leave it for redelivery (nack with requeue, do not commit): nothing was
+    /// recorded as done, so the next delivery will run the handler.
+    Retry,
+    /// Move it to the dead-letter destination: retrying cannot succeed.
+    DeadLetter,
+}
+
+/// [`Outcome::disposition`] and [`Error::disposition`] on the whole result a handler
+/// returns, so a consumer loop can write `handler(msg).await.disposition()`.
+///
+/// ```
+/// use idempotent_runtime::{Disposition, DispositionExt, Error, Outcome};
+///
+/// let done: Result<Outcome<u32>, Error<std::io::Error>> = Ok(Outcome::Duplicate);
+/// assert_eq!(done.disposition(), Disposition::Ack);
+/// ```
+pub trait DispositionExt {
+    /// What to tell the broker.
+    fn disposition(&self) -> Disposition;
+}
+
+impl<T, E> DispositionExt for Result<Outcome<T>, Error<E>> {
+    fn disposition(&self) -> Disposition {
+        match self {
+            Ok(outcome) => outcome.disposition(),
+            Err(error) => error.disposition(),
+        }
+    }
+}

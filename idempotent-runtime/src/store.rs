@@ -1,0 +1,253 @@
+//! The `Store` trait: where idempotency records live and how they change.
+
+use std::fmt;
+use std::sync::{Arc, OnceLock};
+use std::time::Duration;
+
+use async_trait::async_trait;
+
+use crate::{Key, StoreError};
+
+/// Identifies one claim on a key. Every transition after the claim carries it, and a
+/// store applies the transition only while the record still holds the same token, so
+/// a consumer whose lease ran out can never complete, release or fail the claim of
+/// the consumer that took over. Random, 128 bits; usable as a fencing token.
+#[derive(Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Token(u128);
+
+impl Token {
+    /// A fresh random token.
+    pub fn random() -> Token {
+        Token(rand::random())
+    }
+
+    /// A token from its numeric value (for stores that read one back).
+    pub const fn from_u128(value: u128) -> Token {
+        Token(value)
+    }
+
+    /// The numeric value.
+    pub const fn as_u128(self) -> u128 {
+        self.0
+    }
+}
+
+/// 32 lowercase hex digits.
+impl fmt::Display for Token {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{:032x}", self.0)
+    }
+}
+
+impl fmt::Debug for Token {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "Token({self})")
+    }
+}
+
+/// The answer to [`Store::claim`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Claim {
+    /// The caller now owns the key until its lease runs out and must finish with
+    /// `complete`, `release` or `fail`. `attempt` counts from 1 and includes earlier
+    /// claims that were released or whose lease expired.
+    Won {
+        /// Proof of ownership for the transitions that follow.
+        token: Token,
+        /// Which attempt this is, from 1.
+        attempt: u32,
+    },
+    /// The key is DONE and within its dedupe window.
+    Done,
+    /// Another claim on the key is live.
+    InProgress,
+    /// The key is FAILED and within its dedupe window.
+    Failed {
+        /// How many attempts the key had.
+        attempts: u32,
+    },
+}
+
+/// Whether a token-checked transition was applied.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[must_use = "a transition may have been refused because the lease was lost"]
+pub enum Transition {
+    /// The record held the caller's token and was changed.
+    Applied,
+    /// The record no longer holds the caller's token (the lease expired and another
+    /// claim took the key, or the record expired): nothing was changed.
+    LeaseLost,
+}
+
+/// Where idempotency records live.
+///
+/// A record moves through this life cycle (every store implements the same one):
+///
+/// * absent, expired, released, or in progress with an expired lease → [`claim`]
+///   makes it IN PROGRESS under a fresh token, for `lease`, and counts an attempt;
+/// * IN PROGRESS → [`complete`] makes it DONE for `ttl`; [`fail`] makes it FAILED for
+///   `ttl`; [`release`] makes it claimable again, keeping the attempt count;
+///   [`renew`] extends the lease;
+/// * DONE / FAILED → [`claim`] answers [`Claim::Done`] / [`Claim::Failed`] until
+///   `ttl` passes.
+///
+/// Each transition after the claim applies only while the record holds the claim's
+/// token, and each must be atomic: two consumers claiming at once must not both win.
+/// A record is kept at least `max(lease, ttl)` from its last claim, so the attempt
+/// count survives a consumer that died mid-handler.
+///
+/// The trait is object safe: `Arc<dyn Store>` is a `Store`. Implement it with
+/// [`macro@async_trait`](crate::async_trait), and check an implementation with the
+/// behaviour suite in `idempotent::testing` (feature `testing`).
+///
+/// [`claim`]: Store::claim
+/// [`complete`]: Store::complete
+/// [`fail`]: Store::fail
+/// [`release`]: Store::release
+/// [`renew`]: Store::renew
+#[async_trait]
+pub trait Store: Send + Sync {
+    /// Claims `key` for `lease`; the record is retained for at least `ttl`.
+    async fn claim(&self, key: &Key, lease: Duration, ttl: Duration) -> Result<Claim, StoreError>;
+
+    /// Marks the claim DONE, kept for `ttl`.
+    async fn complete(
+        &self,
+        key: &Key,
+        token: Token,
+        ttl: Duration,
+    ) -> Result<Transition, StoreError>;
+
+    /// Gives the claim up so the next delivery can claim it; the attempt count stays.
+    async fn release(&self, key: &Key, token: Token) -> Result<Transition, StoreError>;
+
+    /// Marks the claim FAILED, kept for `ttl`.
+    async fn fail(&self, key: &Key, token: Token, ttl: Duration) -> Result<Transition, StoreError>;
+
+    /// Extends the claim's lease to `lease` from now.
+    async fn renew(
+        &self,
+        key: &Key,
+        token: Token,
+        lease: Duration,
+    ) -> Result<Transition, StoreError>;
+
+    /// Best-effort release of a claim whose handler future was dropped mid-way. Called
+    /// from `Drop`, so it must not block: release at once when that is cheap, start the
+    /// release in the background, or do nothing and let the lease run out (the
+    /// default).
+    fn abandon(&self, key: &Key, token: Token) {
+        let _ = (key, token);
+    }
+}
+
+macro_rules! forward_store {
+    ($($ptr:ty),*) => {$(
+        #[async_trait]
+        impl<S: Store + ?Sized> Store for $ptr {
+            async fn claim(&self, key: &Key, lease: Duration, ttl: Duration) -> Result<Claim, StoreError> {
+                (**self).claim(key, lease, ttl).await
+            }
+            async fn complete(&self, key: &Key, token: Token, ttl: Duration) -> Result<Transition, StoreError> {
+                (**self).complete(key, token, ttl).await
+            }
+            async fn release(&self, key: &Key, token: Token) -> Result<Transition, StoreError> {
+                (**self).release(key, token).await
+            }
+            async fn fail(&self, key: &Key, token: Token, ttl: Duration) -> Result<Transition, StoreError> {
+                (**self).fail(key, token, ttl).await
+            }
+            async fn renew(&self, key: &Key, token: Token, lease: Duration) -> Result<Transition, StoreError> {
+                (**self).renew(key, token, lease).await
+            }
+            fn abandon(&self, key: &Key, token: Token) {
+                (**self).abandon(key, token)
+            }
+        }
+    )*};
+}
+
+forward_store!(&S, Arc<S>, Box<S>);
+
+static DEFAULT_STORE: OnceLock<Arc<dyn Store>> = OnceLock::new();
+
+/// [`set_default_store`] was already called.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[error("the process-wide default store is already set")]
+pub struct AlreadySet;
+
+/// Sets the store that handlers without `store = ...` use. Once per process: the
+/// store a handler uses must not change under it.
+///
+/// ```
+/// idempotent_runtime::set_default_store(idempotent_runtime::MemoryStore::new()).unwrap();
+/// ```
+pub fn set_default_store(store: impl Store + 'static) -> Result<(), AlreadySet> {
+    DEFAULT_STORE.set(Arc::new(store)).map_err(|_| AlreadySet)
+}
+
+/// The process-wide default store, if one was set.
+pub fn default_store() -> Option<&'static Arc<dyn Store>> {
+    DEFAULT_STORE.get()
+}
+
+/// The process-wide default store as a [`Store`]: every operation fails with
+/// [`StoreError::NotConfigured`] until [`set_default_store`] is called. Never falls
+/// back to an in-memory store behind the user's back.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct DefaultStore;
+
+impl DefaultStore {
+    fn get(&self) -> Result<&'static Arc<dyn Store>, StoreError> {
+        default_store().ok_or(StoreError::NotConfigured)
+    }
+}
+
+#[async_trait]
+impl Store for DefaultStore {
+    async fn claim(&self, key: &Key, lease: Duration, ttl: Duration) -> Result<Claim, StoreError> {
+        self.get()?.claim(key, lease, ttl).await
+    }
+    async fn complete(
+        &self,
+        key: &Key,
+        token: Token,
+        ttl: Duration,
+    ) -> Result<Transition, StoreError> {
+        self.get()?.complete(key, token, ttl).await
+    }
+    async fn release(&self, key: &Key, token: Token) -> Result<Transition, StoreError> {
+        self.get()?.release(key, token).await
+    }
+    async fn fail(&self, key: &Key, token: Token, ttl: Duration) -> Result<Transition, StoreError> {
+        self.get()?.fail(key, token, ttl).await
+    }
+    async fn renew(
+        &self,
+        key: &Key,
+        token: Token,
+        lease: Duration,
+    ) -> Result<Transition, StoreError> {
+        self.get()?.renew(key, token, lease).await
+    }
+    fn abandon(&self, key: &Key, token: Token) {
+        if let Ok(store) = self.get() {
+            store.abandon(key, token)
+        }
+    }
+}
+
+/// Lets the expansion of `store = expr` accept a store or anything that dereferences
+/// to one (`Arc<S>`, `&S`, `LazyLock<S>`, ...): method-call syntax auto-dereferences
+/// `expr` until it finds a `Store`.
+#[doc(hidden)]
+pub trait AsStore {
+    fn __idempotent_as_store(&self) -> &Self;
+}
+
+impl<S: Store + ?Sized> AsStore for S {
+    fn __idempotent_as_store(&self) -> &Self {
+        self
+    }
+}

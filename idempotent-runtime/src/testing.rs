@@ -1,0 +1,739 @@
+//! The behaviour every [`Store`] must show, as a suite any implementation can run.
+//!
+//! Each case drives a store through [`run`](crate::execute::run), the function the
+//! `#[idempotent]` expansion calls, and checks one row of the record life cycle (or a
+//! concurrency or fencing property). Cases use fresh random namespaces, so they can
+//! share one store and one server, and run in parallel. Timing cases use real time
+//! with leases of a few hundred milliseconds.
+//!
+//! To check your own store, enable the `testing` feature and write, in a test file:
+//!
+//! ```ignore
+//! idempotent::store_suite!(my_store::connect_for_tests().await);
+//! ```
+//!
+//! which expands to one `#[test]` per case (each on its own multi-threaded Tokio
+//! runtime), named after the cases in [`CASES`].
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use tokio::sync::Mutex;
+
+use crate::alert::TerminalEvent;
+use crate::execute::{Spec, run};
+use crate::{
+    Claim, Classify, Error, ErrorClass, Key, Outcome, Store, StoreError, Token, Transition,
+};
+
+/// The lease the timing cases use.
+pub const LEASE: Duration = Duration::from_millis(300);
+/// The ttl the cases use, unless a case is about expiry.
+pub const TTL: Duration = Duration::from_secs(60);
+
+/// A handler error whose class the case chooses.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{0:?} failure")]
+pub struct Failure(pub ErrorClass);
+
+impl Classify for Failure {
+    fn class(&self) -> ErrorClass {
+        self.0
+    }
+}
+
+/// A fresh key in a namespace no other case uses.
+pub fn fresh_key(case: &str) -> Key {
+    let namespace = format!("suite-{case}-{:08x}", rand::random::<u32>());
+    Key::new(&namespace, "order:42").expect("a valid key")
+}
+
+/// Records terminal alerts.
+#[derive(Clone, Default)]
+pub struct Alerts(Arc<Mutex<Vec<TerminalEvent>>>);
+
+impl Alerts {
+    /// The hook to pass as `on_terminal`.
+    pub fn hook(&self) -> impl FnOnce(TerminalEvent) -> Pin<Box<dyn Future<Output = ()> + Send>> {
+        let events = self.0.clone();
+        move |event| Box::pin(async move { events.lock().await.push(event) })
+    }
+
+    /// The alerts so far.
+    pub async fn events(&self) -> Vec<TerminalEvent> {
+        self.0.lock().await.clone()
+    }
+}
+
+fn spec(max_attempts: u32) -> Spec {
+    Spec {
+        ttl: TTL,
+        lease: LEASE,
+        max_attempts,
+    }
+}
+
+/// Runs a handler that counts its runs and returns `result`.
+async fn call<S: Store + ?Sized>(
+    store: &S,
+    key: &Key,
+    spec: Spec,
+    runs: &AtomicU32,
+    alerts: &Alerts,
+    result: Result<u32, Failure>,
+) -> Result<Outcome<u32>, Error<Failure>> {
+    run(
+        spec,
+        store,
+        Ok(key.clone()),
+        Failure::class,
+        alerts.hook(),
+        async {
+            runs.fetch_add(1, Ordering::SeqCst);
+            result
+        },
+    )
+    .await
+}
+
+async fn claim_state<S: Store + ?Sized>(store: &S, key: &Key) -> Claim {
+    store.claim(key, LEASE, TTL).await.expect("store reachable")
+}
+
+/// First delivery succeeds: `Processed`, record DONE.
+pub async fn first_delivery_success<S: Store + ?Sized>(store: &S) {
+    let (key, runs, alerts) = (fresh_key("first"), AtomicU32::new(0), Alerts::default());
+    let out = call(store, &key, spec(5), &runs, &alerts, Ok(7)).await;
+    assert_eq!(out.unwrap(), Outcome::Processed(7));
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+    assert_eq!(
+        claim_state(store, &key).await,
+        Claim::Done,
+        "record must be DONE"
+    );
+}
+
+/// The same key again within the ttl: `Duplicate`, handler not run.
+pub async fn duplicate_within_ttl<S: Store + ?Sized>(store: &S) {
+    let (key, runs, alerts) = (fresh_key("dup"), AtomicU32::new(0), Alerts::default());
+    let out = call(store, &key, spec(5), &runs, &alerts, Ok(1)).await;
+    assert_eq!(out.unwrap(), Outcome::Processed(1));
+    for _ in 0..3 {
+        let out = call(store, &key, spec(5), &runs, &alerts, Ok(2)).await;
+        assert_eq!(out.unwrap(), Outcome::Duplicate);
+    }
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+}
+
+/// The same key while another consumer holds a live claim: `InProgress`, not run.
+pub async fn in_progress_elsewhere<S: Store + ?Sized>(store: &S) {
+    let (key, runs, alerts) = (fresh_key("busy"), AtomicU32::new(0), Alerts::default());
+    let Claim::Won { token, .. } = claim_state(store, &key).await else {
+        panic!("a fresh key must be claimable")
+    };
+    let out = call(store, &key, spec(5), &runs, &alerts, Ok(1)).await;
+    assert_eq!(out.unwrap(), Outcome::InProgress);
+    assert_eq!(runs.load(Ordering::SeqCst), 0);
+    assert_eq!(
+        store.complete(&key, token, TTL).await.unwrap(),
+        Transition::Applied
+    );
+}
+
+/// A retryable error releases the key and keeps the attempt count.
+pub async fn retryable_error_releases<S: Store + ?Sized>(store: &S) {
+    let (key, runs, alerts) = (fresh_key("retry"), AtomicU32::new(0), Alerts::default());
+    let err = call(
+        store,
+        &key,
+        spec(5),
+        &runs,
+        &alerts,
+        Err(Failure(ErrorClass::Retryable)),
+    )
+    .await
+    .unwrap_err();
+    assert!(
+        matches!(err, Error::Retryable { attempt: 1, .. }),
+        "{err:?}"
+    );
+    assert!(err.is_retryable());
+    let Claim::Won { attempt, token } = claim_state(store, &key).await else {
+        panic!("a released key must be claimable")
+    };
+    assert_eq!(attempt, 2, "the attempt count must survive a release");
+    let _ = store.release(&key, token).await.unwrap();
+    let out = call(store, &key, spec(5), &runs, &alerts, Ok(3)).await;
+    assert_eq!(out.unwrap(), Outcome::Processed(3));
+    assert!(alerts.events().await.is_empty());
+}
+
+/// A retryable error on attempt `max_attempts`: FAILED, terminal (exhausted), alert.
+pub async fn retryable_error_on_last_attempt<S: Store + ?Sized>(store: &S) {
+    let (key, runs, alerts) = (fresh_key("exhaust"), AtomicU32::new(0), Alerts::default());
+    let failure = Err(Failure(ErrorClass::Retryable));
+    for attempt in 1..=2 {
+        let err = call(store, &key, spec(3), &runs, &alerts, failure.clone())
+            .await
+            .unwrap_err();
+        assert!(
+            matches!(err, Error::Retryable { attempt: a, .. } if a == attempt),
+            "{err:?}"
+        );
+    }
+    let err = call(store, &key, spec(3), &runs, &alerts, failure.clone())
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(
+            err,
+            Error::Terminal {
+                attempt: 3,
+                exhausted: true,
+                ..
+            }
+        ),
+        "{err:?}"
+    );
+    assert!(err.is_terminal());
+    assert_eq!(
+        claim_state(store, &key).await,
+        Claim::Failed { attempts: 3 }
+    );
+    let events = alerts.events().await;
+    assert_eq!(events.len(), 1);
+    assert!(events[0].exhausted && events[0].attempt == 3, "{events:?}");
+}
+
+/// A terminal error: FAILED, kept, alert; later deliveries are not run.
+pub async fn terminal_error_fails<S: Store + ?Sized>(store: &S) {
+    let (key, runs, alerts) = (fresh_key("terminal"), AtomicU32::new(0), Alerts::default());
+    let err = call(
+        store,
+        &key,
+        spec(5),
+        &runs,
+        &alerts,
+        Err(Failure(ErrorClass::Terminal)),
+    )
+    .await
+    .unwrap_err();
+    assert!(
+        matches!(
+            err,
+            Error::Terminal {
+                attempt: 1,
+                exhausted: false,
+                ..
+            }
+        ),
+        "{err:?}"
+    );
+    let events = alerts.events().await;
+    assert_eq!(events.len(), 1);
+    assert_eq!(events[0].namespace, key.namespace());
+    assert_eq!(events[0].key, "order:42");
+    assert_eq!(events[0].error, "Terminal failure");
+    let again = call(store, &key, spec(5), &runs, &alerts, Ok(1))
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(again, Error::PreviouslyFailed { attempts: 1 }),
+        "{again:?}"
+    );
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+}
+
+/// A panicking handler: `Panicked`, key released, panic does not escape.
+pub async fn panic_releases<S: Store + ?Sized>(store: &S) {
+    let key = fresh_key("panic");
+    let alerts = Alerts::default();
+    let out = run(
+        spec(5),
+        store,
+        Ok(key.clone()),
+        Failure::class,
+        alerts.hook(),
+        async {
+            if key.id() == b"order:42" {
+                panic!("boom");
+            }
+            Ok::<u32, Failure>(1)
+        },
+    )
+    .await;
+    let err = out.unwrap_err();
+    assert!(
+        matches!(&err, Error::Panicked { message, attempt: 1 } if message == "boom"),
+        "{err:?}"
+    );
+    assert!(err.is_retryable());
+    assert!(
+        matches!(
+            claim_state(store, &key).await,
+            Claim::Won { attempt: 2, .. }
+        ),
+        "a panic must release the key"
+    );
+}
+
+/// The caller drops the future mid-handler: released at once or after the lease.
+pub async fn dropped_future_releases<S: Store + ?Sized>(store: &S) {
+    let (key, runs, alerts) = (fresh_key("drop"), AtomicU32::new(0), Alerts::default());
+    let started = tokio::sync::Notify::new();
+    let handler = run(
+        spec(5),
+        store,
+        Ok(key.clone()),
+        Failure::class,
+        alerts.hook(),
+        async {
+            started.notify_one();
+            std::future::pending::<Result<u32, Failure>>().await
+        },
+    );
+    tokio::select! {
+        _ = handler => panic!("the handler never finishes"),
+        _ = started.notified() => {}
+    }
+    // `handler` is dropped here, mid-way.
+    let out = eventually(LEASE * 3, || {
+        call(store, &key, spec(5), &runs, &alerts, Ok(5))
+    })
+    .await;
+    assert_eq!(out, Outcome::Processed(5));
+}
+
+/// A consumer that died mid-handler: its claim expires after the lease and the
+/// redelivery is processed.
+pub async fn dead_consumer_claim_expires<S: Store + ?Sized>(store: &S) {
+    let (key, runs, alerts) = (fresh_key("dead"), AtomicU32::new(0), Alerts::default());
+    let Claim::Won { .. } = claim_state(store, &key).await else {
+        panic!("fresh key")
+    };
+    // Never completed, never renewed: the process "died".
+    let out = call(store, &key, spec(5), &runs, &alerts, Ok(1)).await;
+    assert_eq!(out.unwrap(), Outcome::InProgress);
+    tokio::time::sleep(LEASE + Duration::from_millis(200)).await;
+    let out = call(store, &key, spec(5), &runs, &alerts, Ok(1)).await;
+    assert_eq!(out.unwrap(), Outcome::Processed(1));
+}
+
+/// A key whose allowed attempts all died mid-handler is failed, not run again.
+pub async fn unfinished_attempts_are_capped<S: Store + ?Sized>(store: &S) {
+    let (key, runs, alerts) = (fresh_key("crashloop"), AtomicU32::new(0), Alerts::default());
+    let short = Duration::from_millis(100);
+    for _ in 0..2 {
+        assert!(matches!(
+            store.claim(&key, short, TTL).await.unwrap(),
+            Claim::Won { .. }
+        ));
+        tokio::time::sleep(short + Duration::from_millis(100)).await;
+    }
+    let err = call(store, &key, spec(2), &runs, &alerts, Ok(1))
+        .await
+        .unwrap_err();
+    assert!(matches!(err, Error::Abandoned { attempts: 2 }), "{err:?}");
+    assert_eq!(runs.load(Ordering::SeqCst), 0);
+    assert_eq!(alerts.events().await.len(), 1);
+    assert!(matches!(
+        claim_state(store, &key).await,
+        Claim::Failed { .. }
+    ));
+}
+
+/// The store is unreachable at claim: `Err(Store)`, handler not run, and the
+/// redelivery is processed once the store is back.
+pub async fn store_unreachable_at_claim<S: Store + ?Sized>(store: &S) {
+    let (key, runs, alerts) = (fresh_key("down"), AtomicU32::new(0), Alerts::default());
+    let flaky = Flaky::new(store);
+    flaky.down.store(true, Ordering::SeqCst);
+    let err = call(&flaky, &key, spec(5), &runs, &alerts, Ok(1))
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(
+            err,
+            Error::Store {
+                handler_ran: false,
+                ..
+            }
+        ),
+        "{err:?}"
+    );
+    assert!(err.is_retryable());
+    assert_eq!(runs.load(Ordering::SeqCst), 0);
+    flaky.down.store(false, Ordering::SeqCst);
+    let out = call(&flaky, &key, spec(5), &runs, &alerts, Ok(1)).await;
+    assert_eq!(out.unwrap(), Outcome::Processed(1));
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+}
+
+/// The store fails when the result is recorded: the error says the handler ran.
+pub async fn store_fails_after_handler<S: Store + ?Sized>(store: &S) {
+    let (key, runs, alerts) = (fresh_key("lost-done"), AtomicU32::new(0), Alerts::default());
+    let flaky = Flaky::new(store);
+    flaky.down_after_claim.store(true, Ordering::SeqCst);
+    let err = call(&flaky, &key, spec(5), &runs, &alerts, Ok(1))
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(
+            err,
+            Error::Store {
+                handler_ran: true,
+                ..
+            }
+        ),
+        "{err:?}"
+    );
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+}
+
+/// After the ttl, a DONE key is forgotten and processed again.
+pub async fn ttl_expiry_forgets<S: Store + ?Sized>(store: &S) {
+    let (key, runs, alerts) = (fresh_key("ttl"), AtomicU32::new(0), Alerts::default());
+    let short = Spec {
+        ttl: Duration::from_millis(300),
+        lease: Duration::from_millis(300),
+        max_attempts: 5,
+    };
+    let out = call(store, &key, short, &runs, &alerts, Ok(1)).await;
+    assert_eq!(out.unwrap(), Outcome::Processed(1));
+    assert_eq!(
+        call(store, &key, short, &runs, &alerts, Ok(1))
+            .await
+            .unwrap(),
+        Outcome::Duplicate
+    );
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let out = call(store, &key, short, &runs, &alerts, Ok(2)).await;
+    assert_eq!(out.unwrap(), Outcome::Processed(2));
+}
+
+/// A consumer whose lease ran out cannot complete, release or fail the claim that
+/// took over, and cannot overwrite its record.
+pub async fn expired_lease_is_fenced<S: Store + ?Sized>(store: &S) {
+    let key = fresh_key("fence");
+    let Claim::Won { token: stale, .. } = claim_state(store, &key).await else {
+        panic!()
+    };
+    tokio::time::sleep(LEASE + Duration::from_millis(200)).await;
+    let Claim::Won {
+        token: fresh,
+        attempt,
+    } = claim_state(store, &key).await
+    else {
+        panic!("an expired lease must be claimable")
+    };
+    assert_eq!(attempt, 2);
+    assert_ne!(stale, fresh);
+    assert_eq!(
+        store.renew(&key, stale, LEASE).await.unwrap(),
+        Transition::LeaseLost
+    );
+    assert_eq!(
+        store.release(&key, stale).await.unwrap(),
+        Transition::LeaseLost
+    );
+    assert_eq!(
+        store.fail(&key, stale, TTL).await.unwrap(),
+        Transition::LeaseLost
+    );
+    assert_eq!(
+        store.complete(&key, stale, TTL).await.unwrap(),
+        Transition::LeaseLost
+    );
+    assert_eq!(
+        claim_state(store, &key).await,
+        Claim::InProgress,
+        "the new claim stands"
+    );
+    assert_eq!(
+        store.complete(&key, fresh, TTL).await.unwrap(),
+        Transition::Applied
+    );
+    assert_eq!(
+        store.complete(&key, stale, TTL).await.unwrap(),
+        Transition::LeaseLost
+    );
+    assert_eq!(claim_state(store, &key).await, Claim::Done);
+}
+
+/// A handler that stalls past its lease while renewals are impossible gets
+/// `LeaseLost`; the consumer that took over keeps its record.
+pub async fn late_completion_gets_lease_lost<S: Store + ?Sized>(store: &S) {
+    let (key, runs, alerts) = (fresh_key("late"), AtomicU32::new(0), Alerts::default());
+    let flaky = Flaky::new(store);
+    flaky.refuse_renewals.store(true, Ordering::SeqCst);
+    let slow = run(
+        spec(5),
+        &flaky,
+        Ok(key.clone()),
+        Failure::class,
+        alerts.hook(),
+        async {
+            tokio::time::sleep(LEASE * 3).await;
+            Ok::<u32, Failure>(1)
+        },
+    );
+    let takeover = async {
+        tokio::time::sleep(LEASE + Duration::from_millis(150)).await;
+        call(store, &key, spec(5), &runs, &alerts, Ok(2)).await
+    };
+    let (slow, takeover) = tokio::join!(slow, takeover);
+    assert_eq!(takeover.unwrap(), Outcome::Processed(2));
+    assert!(
+        matches!(slow, Err(Error::LeaseLost { attempt: 1 })),
+        "{slow:?}"
+    );
+    assert_eq!(claim_state(store, &key).await, Claim::Done);
+}
+
+/// Renewal keeps a handler that runs longer than its lease in possession.
+pub async fn renewal_keeps_slow_handler<S: Store + ?Sized>(store: &S) {
+    let (key, runs, alerts) = (fresh_key("slow"), AtomicU32::new(0), Alerts::default());
+    let slow = run(
+        spec(5),
+        store,
+        Ok(key.clone()),
+        Failure::class,
+        alerts.hook(),
+        async {
+            tokio::time::sleep(LEASE * 4).await;
+            Ok::<u32, Failure>(1)
+        },
+    );
+    let rival = async {
+        let mut seen = Vec::new();
+        for _ in 0..5 {
+            tokio::time::sleep(LEASE / 2 + LEASE / 4).await;
+            seen.push(call(store, &key, spec(5), &runs, &alerts, Ok(2)).await);
+        }
+        seen
+    };
+    let (slow, seen) = tokio::join!(slow, rival);
+    assert_eq!(slow.unwrap(), Outcome::Processed(1));
+    assert_eq!(
+        runs.load(Ordering::SeqCst),
+        0,
+        "the rival never ran: {seen:?}"
+    );
+}
+
+/// 1,000 concurrent calls with one key on a multi-threaded runtime: the body runs
+/// once; every other call gets `InProgress` or `Duplicate`.
+pub async fn concurrent_same_key_runs_once<S: Store + ?Sized + 'static>(store: Arc<S>) {
+    let key = fresh_key("race");
+    let runs = Arc::new(AtomicU32::new(0));
+    let tasks: Vec<_> = (0..1_000)
+        .map(|_| {
+            let (store, key, runs) = (store.clone(), key.clone(), runs.clone());
+            tokio::spawn(async move {
+                call(&*store, &key, spec(5), &runs, &Alerts::default(), Ok(1)).await
+            })
+        })
+        .collect();
+    let mut processed = 0;
+    for task in tasks {
+        match task.await.expect("no panic") {
+            Ok(Outcome::Processed(_)) => processed += 1,
+            Ok(Outcome::InProgress | Outcome::Duplicate) => {}
+            other => panic!("unexpected {other:?}"),
+        }
+    }
+    assert_eq!(processed, 1);
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+}
+
+/// 10,000 calls over 1,000 keys, concurrently: each key's body runs exactly once.
+pub async fn many_keys_each_once<S: Store + ?Sized + 'static>(store: Arc<S>) {
+    let namespace = format!("suite-many-{:08x}", rand::random::<u32>());
+    let runs: Arc<Vec<AtomicU32>> = Arc::new((0..1_000).map(|_| AtomicU32::new(0)).collect());
+    let tasks: Vec<_> = (0..10_000u32)
+        .map(|i| {
+            let (store, runs, namespace) = (store.clone(), runs.clone(), namespace.clone());
+            tokio::spawn(async move {
+                let id = (i * 7919) % 1_000;
+                let key = Key::new(&namespace, id.to_string()).expect("valid key");
+                run(
+                    spec(5),
+                    &*store,
+                    Ok(key),
+                    Failure::class,
+                    Alerts::default().hook(),
+                    async {
+                        runs[id as usize].fetch_add(1, Ordering::SeqCst);
+                        Ok::<u32, Failure>(id)
+                    },
+                )
+                .await
+            })
+        })
+        .collect();
+    for task in tasks {
+        let out = task.await.expect("no panic").expect("no error");
+        assert!(matches!(
+            out,
+            Outcome::Processed(_) | Outcome::Duplicate | Outcome::InProgress
+        ));
+    }
+    for (id, n) in runs.iter().enumerate() {
+        assert_eq!(n.load(Ordering::SeqCst), 1, "key {id} ran {n:?} times");
+    }
+}
+
+/// Calls `f` until it returns `Ok(Processed | Duplicate ...)` other than
+/// `InProgress`, for at most `within`.
+async fn eventually<F, Fut>(within: Duration, mut f: F) -> Outcome<u32>
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = Result<Outcome<u32>, Error<Failure>>>,
+{
+    let deadline = tokio::time::Instant::now() + within;
+    loop {
+        match f().await.expect("no error") {
+            Outcome::InProgress if tokio::time::Instant::now() < deadline => {
+                tokio::time::sleep(Duration::from_millis(20)).await
+            }
+            other => return other,
+        }
+    }
+}
+
+/// Wraps a store and fails on demand, to show how the runtime reacts to an
+/// unreachable store. (Server-backed stores also test the real thing: a killed server.)
+struct Flaky<'a, S: ?Sized> {
+    inner: &'a S,
+    down: AtomicBool,
+    down_after_claim: AtomicBool,
+    refuse_renewals: AtomicBool,
+}
+
+impl<'a, S: Store + ?Sized> Flaky<'a, S> {
+    fn new(inner: &'a S) -> Self {
+        Flaky {
+            inner,
+            down: AtomicBool::new(false),
+            down_after_claim: AtomicBool::new(false),
+            refuse_renewals: AtomicBool::new(false),
+        }
+    }
+
+    fn check(&self, flag: &AtomicBool) -> Result<(), StoreError> {
+        if flag.load(Ordering::SeqCst) {
+            return Err(StoreError::unavailable("connection refused (simulated)"));
+        }
+        Ok(())
+    }
+}
+
+#[async_trait]
+impl<S: Store + ?Sized> Store for Flaky<'_, S> {
+    async fn claim(&self, key: &Key, lease: Duration, ttl: Duration) -> Result<Claim, StoreError> {
+        self.check(&self.down)?;
+        self.inner.claim(key, lease, ttl).await
+    }
+    async fn complete(
+        &self,
+        key: &Key,
+        token: Token,
+        ttl: Duration,
+    ) -> Result<Transition, StoreError> {
+        self.check(&self.down)?;
+        self.check(&self.down_after_claim)?;
+        self.inner.complete(key, token, ttl).await
+    }
+    async fn release(&self, key: &Key, token: Token) -> Result<Transition, StoreError> {
+        self.check(&self.down)?;
+        self.inner.release(key, token).await
+    }
+    async fn fail(&self, key: &Key, token: Token, ttl: Duration) -> Result<Transition, StoreError> {
+        self.check(&self.down)?;
+        self.inner.fail(key, token, ttl).await
+    }
+    async fn renew(
+        &self,
+        key: &Key,
+        token: Token,
+        lease: Duration,
+    ) -> Result<Transition, StoreError> {
+        self.check(&self.down)?;
+        self.check(&self.refuse_renewals)?;
+        self.inner.renew(key, token, lease).await
+    }
+    fn abandon(&self, key: &Key, token: Token) {
+        self.inner.abandon(key, token)
+    }
+}
+
+/// Runs `case` on a fresh multi-threaded Tokio runtime; the `store_suite!` tests use it.
+pub fn block_on<F: Future>(case: F) -> F::Output {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .expect("a Tokio runtime")
+        .block_on(case)
+}
+
+/// The names of the cases `store_suite!` generates.
+pub const CASES: &[&str] = &[
+    "first_delivery_success",
+    "duplicate_within_ttl",
+    "in_progress_elsewhere",
+    "retryable_error_releases",
+    "retryable_error_on_last_attempt",
+    "terminal_error_fails",
+    "panic_releases",
+    "dropped_future_releases",
+    "dead_consumer_claim_expires",
+    "unfinished_attempts_are_capped",
+    "store_unreachable_at_claim",
+    "store_fails_after_handler",
+    "ttl_expiry_forgets",
+    "expired_lease_is_fenced",
+    "late_completion_gets_lease_lost",
+    "renewal_keeps_slow_handler",
+    "concurrent_same_key_runs_once",
+    "many_keys_each_once",
+];
+
+/// Generates one `#[test]` per case of the behaviour suite for the store that
+/// `$make` (an expression, which may `.await`) builds. Every test builds its own
+/// store with `$make`.
+#[macro_export]
+macro_rules! store_suite {
+    ($make:expr) => {
+        $crate::store_suite!(@cases $make;
+            first_delivery_success, duplicate_within_ttl, in_progress_elsewhere,
+            retryable_error_releases, retryable_error_on_last_attempt, terminal_error_fails,
+            panic_releases, dropped_future_releases, dead_consumer_claim_expires,
+            unfinished_attempts_are_capped, store_unreachable_at_claim,
+            store_fails_after_handler, ttl_expiry_forgets, expired_lease_is_fenced,
+            late_completion_gets_lease_lost, renewal_keeps_slow_handler);
+        $crate::store_suite!(@shared $make; concurrent_same_key_runs_once, many_keys_each_once);
+    };
+    (@cases $make:expr; $($case:ident),*) => {$(
+        #[test]
+        fn $case() {
+            $crate::testing::block_on(async {
+                let store = $make;
+                $crate::testing::$case(&store).await
+            })
+        }
+    )*};
+    (@shared $make:expr; $($case:ident),*) => {$(
+        #[test]
+        fn $case() {
+            $crate::testing::block_on(async {
+                let store = ::std::sync::Arc::new($make);
+                $crate::testing::$case(store).await
+            })
+        }
+    )*};
+}

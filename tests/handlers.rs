@@ -1,0 +1,217 @@
+//! Every shape of function `#[idempotent]` accepts, exercised end to end on a
+//! `MemoryStore`.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU32, Ordering};
+
+use idempotent::{Classify, Error, MemoryStore, Outcome, idempotent};
+
+#[derive(Debug, Clone)]
+struct Customer {
+    id: u64,
+}
+
+#[derive(Debug, Clone)]
+struct OrderPlaced {
+    order_id: u64,
+    customer: Customer,
+    amount_cents: i64,
+}
+
+fn order(order_id: u64) -> OrderPlaced {
+    OrderPlaced {
+        order_id,
+        customer: Customer { id: 9 },
+        amount_cents: 100,
+    }
+}
+
+#[derive(Debug, thiserror::Error, Classify)]
+enum PayError {
+    #[error("database timed out")]
+    #[idempotent(retryable)]
+    DbTimeout,
+    #[error("insufficient funds")]
+    #[idempotent(terminal)]
+    InsufficientFunds,
+}
+
+static RUNS: AtomicU32 = AtomicU32::new(0);
+static FREE_STORE: std::sync::LazyLock<MemoryStore> = std::sync::LazyLock::new(MemoryStore::new);
+
+#[idempotent(key = "order:{order_id}:{customer.id}", ttl = 600, store = FREE_STORE)]
+async fn free_function(msg: OrderPlaced) -> Result<i64, PayError> {
+    RUNS.fetch_add(1, Ordering::SeqCst);
+    if msg.amount_cents < 0 {
+        return Err(PayError::InsufficientFunds);
+    }
+    Ok(msg.amount_cents)
+}
+
+#[tokio::test]
+async fn free_function_runs_once_per_key() {
+    assert_eq!(
+        free_function(order(1)).await.unwrap(),
+        Outcome::Processed(100)
+    );
+    assert_eq!(free_function(order(1)).await.unwrap(), Outcome::Duplicate);
+    assert_eq!(
+        free_function(order(2)).await.unwrap(),
+        Outcome::Processed(100)
+    );
+    assert_eq!(RUNS.load(Ordering::SeqCst), 2);
+    let bad = OrderPlaced {
+        amount_cents: -1,
+        ..order(3)
+    };
+    let err = free_function(bad).await.unwrap_err();
+    assert!(matches!(
+        err,
+        Error::Terminal {
+            error: PayError::InsufficientFunds,
+            ..
+        }
+    ));
+}
+
+struct Consumer {
+    store: Arc<MemoryStore>,
+    tenant: String,
+    runs: AtomicU32,
+}
+
+impl Consumer {
+    #[idempotent(key = "{self.tenant}/{order_id}", store = self.store, namespace = "orders")]
+    async fn handle(&self, msg: &OrderPlaced) -> Result<u64, PayError> {
+        self.runs.fetch_add(1, Ordering::SeqCst);
+        Ok(msg.order_id)
+    }
+
+    /// Several arguments; the message is not the first one.
+    #[idempotent(key = "{attempt_hint}-{order_id}", message = msg, store = &*self.store)]
+    async fn with_args(&self, attempt_hint: u8, msg: OrderPlaced) -> Result<(), PayError> {
+        let _ = (attempt_hint, msg);
+        self.runs.fetch_add(1, Ordering::SeqCst);
+        Err(PayError::DbTimeout)
+    }
+}
+
+#[tokio::test]
+async fn methods_read_self_and_other_arguments() {
+    let c = Consumer {
+        store: Arc::new(MemoryStore::new()),
+        tenant: "acme".into(),
+        runs: 0.into(),
+    };
+    assert_eq!(c.handle(&order(5)).await.unwrap(), Outcome::Processed(5));
+    assert_eq!(c.handle(&order(5)).await.unwrap(), Outcome::Duplicate);
+    let key = idempotent::Key::new("orders", "acme/5").unwrap();
+    let claim = idempotent::Store::claim(&*c.store, &key, LEASE, LEASE)
+        .await
+        .unwrap();
+    assert_eq!(
+        claim,
+        idempotent::Claim::Done,
+        "the key is rendered as the template says"
+    );
+
+    let err = c.with_args(3, order(6)).await.unwrap_err();
+    assert!(matches!(err, Error::Retryable { attempt: 1, .. }));
+    let err = c.with_args(3, order(6)).await.unwrap_err();
+    assert!(
+        matches!(err, Error::Retryable { attempt: 2, .. }),
+        "{err:?}"
+    );
+    assert_eq!(c.runs.load(Ordering::SeqCst), 3);
+}
+
+const LEASE: std::time::Duration = std::time::Duration::from_secs(30);
+
+trait Handler {
+    async fn handle(&self, msg: OrderPlaced) -> Result<Outcome<u64>, Error<PayError>>;
+}
+
+struct TraitConsumer(MemoryStore);
+
+impl Handler for TraitConsumer {
+    #[idempotent(key = "{order_id}", store = self.0)]
+    async fn handle(&self, msg: OrderPlaced) -> Result<u64, PayError> {
+        Ok(msg.order_id * 2)
+    }
+}
+
+#[tokio::test]
+async fn trait_impl_methods() {
+    let c = TraitConsumer(MemoryStore::new());
+    assert_eq!(c.handle(order(4)).await.unwrap(), Outcome::Processed(8));
+    assert_eq!(c.handle(order(4)).await.unwrap(), Outcome::Duplicate);
+}
+
+#[idempotent(key = "item:{id}", store = store)]
+async fn generic<T, S>(id: T, store: &S) -> String
+where
+    T: std::fmt::Display + Send,
+    S: idempotent::Store,
+{
+    format!("handled {id}")
+}
+
+#[tokio::test]
+async fn generic_functions_and_infallible_handlers() {
+    let store = MemoryStore::new();
+    let first: Result<Outcome<String>, Error<std::convert::Infallible>> = generic(7, &store).await;
+    assert_eq!(first.unwrap(), Outcome::Processed("handled 7".into()));
+    assert_eq!(generic("7", &store).await.unwrap(), Outcome::Duplicate);
+}
+
+#[idempotent(key = "{0}", store = store)]
+async fn io_alias(msg: (u32,), store: Arc<dyn idempotent::Store>) -> std::io::Result<u32> {
+    if msg.0 == 0 {
+        return Err(std::io::Error::from(std::io::ErrorKind::InvalidData));
+    }
+    let parsed: u32 = "12".parse().map_err(|_| std::io::Error::other("no"))?;
+    Ok(parsed + msg.0)
+}
+
+#[tokio::test]
+async fn one_argument_result_aliases_and_dyn_stores() {
+    let store: Arc<dyn idempotent::Store> = Arc::new(MemoryStore::new());
+    assert_eq!(
+        io_alias((1,), store.clone()).await.unwrap(),
+        Outcome::Processed(13)
+    );
+    let err = io_alias((0,), store.clone()).await.unwrap_err();
+    assert!(err.is_terminal(), "InvalidData is terminal: {err}");
+}
+
+#[idempotent(key = "{order_id}")]
+async fn default_store_unset(msg: OrderPlaced) -> u64 {
+    msg.order_id
+}
+
+#[tokio::test]
+async fn no_default_store_is_an_error_not_a_silent_fallback() {
+    let err = default_store_unset(order(1)).await.unwrap_err();
+    assert!(matches!(
+        err,
+        Error::Store {
+            error: idempotent::StoreError::NotConfigured,
+            handler_ran: false
+        }
+    ));
+}
+
+#[idempotent(key = "{name}", store = FREE_STORE, namespace = "empty_keys")]
+async fn by_name(name: String) {}
+
+#[tokio::test]
+async fn an_empty_placeholder_is_a_key_error_and_runs_nothing() {
+    let err = by_name(String::new()).await.unwrap_err();
+    assert!(matches!(
+        err,
+        Error::Key(idempotent::KeyError::EmptyPlaceholder {
+            placeholder: "name"
+        })
+    ));
+    assert_eq!(err.disposition(), idempotent::Disposition::DeadLetter);
+}
