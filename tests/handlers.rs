@@ -215,3 +215,28 @@ async fn an_empty_placeholder_is_a_key_error_and_runs_nothing() {
     ));
     assert_eq!(err.disposition(), idempotent::Disposition::DeadLetter);
 }
+
+static RACE_STORE: std::sync::LazyLock<MemoryStore> = std::sync::LazyLock::new(MemoryStore::new);
+static RACE_RUNS: AtomicU32 = AtomicU32::new(0);
+
+#[idempotent(key = "race:{order_id}", store = RACE_STORE)]
+async fn race(msg: OrderPlaced) -> Result<(), PayError> {
+    RACE_RUNS.fetch_add(1, Ordering::SeqCst);
+    tokio::task::yield_now().await;
+    let _ = msg;
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_thousand_concurrent_deliveries_of_one_message_run_it_once() {
+    let tasks: Vec<_> = (0..1_000).map(|_| tokio::spawn(race(order(77)))).collect();
+    let mut processed = 0;
+    for task in tasks {
+        match task.await.unwrap().unwrap() {
+            Outcome::Processed(()) => processed += 1,
+            Outcome::InProgress | Outcome::Duplicate => {}
+            Outcome::Replayed(()) => panic!("nothing is cached"),
+        }
+    }
+    assert_eq!((processed, RACE_RUNS.load(Ordering::SeqCst)), (1, 1));
+}

@@ -25,6 +25,10 @@ impl Errors {
         self.push(syn::Error::new(span, message));
     }
 
+    pub fn count(&self) -> usize {
+        self.0.as_ref().map_or(0, |e| e.clone().into_iter().count())
+    }
+
     pub fn finish(self) -> Result<(), syn::Error> {
         self.0.map_or(Ok(()), Err)
     }
@@ -84,6 +88,8 @@ pub struct Args {
     pub on_terminal: Once<Path>,
     pub classify: Once<Path>,
     pub krate: Once<Path>,
+    /// `key` or `key_fn` was written, valid or not: no "missing key" error then.
+    pub key_written: bool,
 }
 
 impl Args {
@@ -98,6 +104,9 @@ impl Args {
             );
             return Ok(());
         };
+        if name == "key" || name == "key_fn" {
+            self.key_written = true;
+        }
         match name.to_string().as_str() {
             "key" => {
                 let example = "a key template, e.g. `key = \"order:{order_id}\"`";

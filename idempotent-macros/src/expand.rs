@@ -114,6 +114,7 @@ impl Handler {
             }
         }
 
+        let errors_before = errors.count();
         let message: Option<Ident> = match args.message.take() {
             Some(ident) if ident == "self" => {
                 errors.at(
@@ -164,6 +165,9 @@ impl Handler {
             },
         };
 
+        // Placeholders can't be resolved against a message argument that was rejected.
+        let message_rejected = errors.count() > errors_before;
+
         // Key: a template or a function, not both.
         let mut key = Vec::new();
         match (args.key.take(), args.key_fn.take()) {
@@ -171,7 +175,7 @@ impl Handler {
                 path.span(),
                 "give either `key` or `key_fn`, not both: `key_fn` replaces the template",
             ),
-            (None, None) => errors.at(
+            (None, None) if !args.key_written => errors.at(
                 Span::call_site(),
                 "missing `key`: say what identifies a message, e.g. \
                  #[idempotent(key = \"order:{order_id}\")], or pass `key_fn = path`",
@@ -186,6 +190,7 @@ impl Handler {
                                     resolve(&parts, &lit, has_receiver, &named, message.as_ref());
                                 match resolved {
                                     Ok(access) => key.push(KeyPart::Field(access)),
+                                    Err(_) if message_rejected => {}
                                     Err(e) => errors.push(e),
                                 }
                             }
@@ -203,6 +208,7 @@ impl Handler {
                     }));
                 }
             }
+            (None, None) => {}
         }
 
         let ttl_ms = args.ttl.get().map_or(DEFAULT_TTL_MS, |t| t.ms);
@@ -300,13 +306,16 @@ impl Handler {
             let #key_var = #key_var.finish();
         };
         let store = match &self.store {
-            Some(expr) => quote! {
-                let #store_var = &(#expr);
-                let #store_var = {
-                    use #private::AsStore as _;
-                    #store_var.__idempotent_as_store()
-                };
-            },
+            Some(expr) => {
+                let as_store = quote_spanned!(expr.span()=> #store_var.__idempotent_as_store());
+                quote! {
+                    let #store_var = &(#expr);
+                    let #store_var = {
+                        use #private::AsStore as _;
+                        #as_store
+                    };
+                }
+            }
             None => quote!(let #store_var = &#private::DefaultStore;),
         };
         let spec = quote! {
@@ -347,7 +356,7 @@ impl Handler {
             #store
             #call
         });
-        func.block = Box::new(parse_quote!(#new_body));
+        *func.block = parse_quote!(#new_body);
         quote!(#func)
     }
 }
@@ -447,9 +456,12 @@ fn resolve(
                         format_args!("`{p}` in `{{{label}}}` is not a field name"),
                     )
                 })?;
+                // Located at the template, but marked as generated: rustc then points
+                // at the template without suggesting to replace the whole literal.
+                let generated = Span::mixed_site().located_at(span);
                 match &mut member {
-                    syn::Member::Named(ident) => ident.set_span(span),
-                    syn::Member::Unnamed(index) => index.span = span,
+                    syn::Member::Named(ident) => ident.set_span(generated),
+                    syn::Member::Unnamed(index) => index.span = generated,
                 }
                 Ok(member)
             })

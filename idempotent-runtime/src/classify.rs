@@ -34,6 +34,11 @@ pub enum ErrorClass {
 ///     }
 /// }
 /// ```
+#[diagnostic::on_unimplemented(
+    message = "`{Self}` does not implement `Classify`, so #[idempotent] can't tell its retryable errors from its terminal ones",
+    label = "the handler's error type",
+    note = "add `#[derive(idempotent::Classify)]` with `#[idempotent(retryable)]` / `#[idempotent(terminal)]` marks, implement `Classify`, or pass `classify = path` to #[idempotent]"
+)]
 pub trait Classify {
     /// The class of this error.
     fn class(&self) -> ErrorClass;
@@ -109,7 +114,7 @@ mod tests {
         let bad = io::Error::new(io::ErrorKind::InvalidData, "garbage");
         assert_eq!(timeout.class(), ErrorClass::Retryable);
         assert_eq!(bad.class(), ErrorClass::Terminal);
-        assert_eq!((&bad).class(), ErrorClass::Terminal);
+        assert_eq!(Classify::class(&&bad), ErrorClass::Terminal);
         assert_eq!(Box::new(timeout).class(), ErrorClass::Retryable);
     }
 

@@ -106,6 +106,10 @@ pub enum Transition {
 /// [`fail`]: Store::fail
 /// [`release`]: Store::release
 /// [`renew`]: Store::renew
+#[diagnostic::on_unimplemented(
+    message = "`{Self}` is not an idempotency store",
+    note = "`store = ...` takes a value that implements `idempotent::Store` (such as `MemoryStore`) or dereferences to one (`Arc<S>`, `&S`, `LazyLock<S>`)"
+)]
 #[async_trait]
 pub trait Store: Send + Sync {
     /// Claims `key` for `lease`; the record is retained for at least `ttl`.

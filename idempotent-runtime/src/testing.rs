@@ -8,8 +8,10 @@
 //!
 //! To check your own store, enable the `testing` feature and write, in a test file:
 //!
-//! ```ignore
-//! idempotent::store_suite!(my_store::connect_for_tests().await);
+//! ```
+//! # use idempotent_runtime as idempotent;
+//! // `MyStore::connect_for_tests().await` for yours; the expression may `.await`.
+//! idempotent::store_suite!(idempotent::MemoryStore::new());
 //! ```
 //!
 //! which expands to one `#[test]` per case (each on its own multi-threaded Tokio
@@ -26,9 +28,7 @@ use tokio::sync::Mutex;
 
 use crate::alert::TerminalEvent;
 use crate::execute::{Spec, run};
-use crate::{
-    Claim, Classify, Error, ErrorClass, Key, Outcome, Store, StoreError, Token, Transition,
-};
+use crate::{Claim, Error, ErrorClass, Key, Outcome, Store, StoreError, Token, Transition};
 
 /// The lease the timing cases use.
 pub const LEASE: Duration = Duration::from_millis(300);
@@ -40,8 +40,10 @@ pub const TTL: Duration = Duration::from_secs(60);
 #[error("{0:?} failure")]
 pub struct Failure(pub ErrorClass);
 
-impl Classify for Failure {
-    fn class(&self) -> ErrorClass {
+impl Failure {
+    /// Its class: passed to `run` as the `classify` function. (`Failure` does not
+    /// implement `Classify`, so enabling this module changes no trait's impl list.)
+    pub fn class(&self) -> ErrorClass {
         self.0
     }
 }

@@ -1,0 +1,68 @@
+use idempotent::{Classify, idempotent};
+struct OrderPlaced {
+    order_id: u64,
+    customer: Customer,
+}
+struct Customer {
+    id: u64,
+}
+#[idempotent(retryable)]
+struct PayError;
+#[automatically_derived]
+impl ::core::fmt::Debug for PayError {
+    #[inline]
+    fn fmt(&self, f: &mut ::core::fmt::Formatter) -> ::core::fmt::Result {
+        ::core::fmt::Formatter::write_str(f, "PayError")
+    }
+}
+#[automatically_derived]
+impl ::idempotent::Classify for PayError {
+    fn class(&self) -> ::idempotent::ErrorClass {
+        let Self = self;
+        ::idempotent::ErrorClass::Retryable
+    }
+}
+impl std::fmt::Display for PayError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("pay error")
+    }
+}
+async fn process_order(
+    msg: OrderPlaced,
+) -> ::core::result::Result<::idempotent::Outcome<u64>, ::idempotent::Error<PayError>> {
+    let mut __idempotent_key = ::idempotent::__private::KeyBuilder::new("process_order");
+    __idempotent_key.text("order:");
+    __idempotent_key.field("order_id", &msg.order_id);
+    __idempotent_key.text(":");
+    __idempotent_key.field("customer.id", &msg.customer.id);
+    let __idempotent_key = __idempotent_key.finish();
+    let __idempotent_store = &::idempotent::__private::DefaultStore;
+    ::idempotent::__private::run(
+            ::idempotent::__private::Spec {
+                ttl: ::core::time::Duration::from_millis(600000u64),
+                lease: ::core::time::Duration::from_millis(30000u64),
+                max_attempts: 5u32,
+            },
+            __idempotent_store,
+            __idempotent_key,
+            <PayError as ::idempotent::Classify>::class,
+            ::idempotent::__private::process_sink,
+            async move {
+                #[allow(
+                    unknown_lints,
+                    unreachable_code,
+                    clippy::diverging_sub_expression,
+                    clippy::let_unit_value,
+                    clippy::unreachable,
+                    clippy::empty_loop,
+                    clippy::needless_return
+                )]
+                if false {
+                    let __idempotent_fake_return: Result<u64, PayError> = loop {};
+                    return __idempotent_fake_return;
+                }
+                Ok(msg.order_id)
+            },
+        )
+        .await
+}

@@ -1,0 +1,42 @@
+use std::sync::Arc;
+use idempotent::{MemoryStore, idempotent};
+struct Order {
+    id: String,
+}
+struct Consumer {
+    store: Arc<MemoryStore>,
+    tenant: String,
+}
+impl Consumer {
+    async fn handle(
+        &self,
+        order: &Order,
+    ) -> ::core::result::Result<
+        ::idempotent::Outcome<()>,
+        ::idempotent::Error<::core::convert::Infallible>,
+    > {
+        let mut __idempotent_key = ::idempotent::__private::KeyBuilder::new("handle");
+        __idempotent_key.field("self.tenant", &self.tenant);
+        __idempotent_key.text("/");
+        __idempotent_key.field("id", &order.id);
+        let __idempotent_key = __idempotent_key.finish();
+        let __idempotent_store = &(self.store);
+        let __idempotent_store = {
+            use ::idempotent::__private::AsStore as _;
+            __idempotent_store.__idempotent_as_store()
+        };
+        ::idempotent::__private::run_infallible(
+                ::idempotent::__private::Spec {
+                    ttl: ::core::time::Duration::from_millis(3600000u64),
+                    lease: ::core::time::Duration::from_millis(10000u64),
+                    max_attempts: 3u32,
+                },
+                __idempotent_store,
+                __idempotent_key,
+                async move {
+                    let _ = &order.id;
+                },
+            )
+            .await
+    }
+}

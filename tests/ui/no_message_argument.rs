@@ -1,0 +1,10 @@
+use idempotent::idempotent;
+
+struct Order {
+    order_id: u64,
+}
+
+#[idempotent(key = "order:{order_id}")]
+async fn handle() {}
+
+fn main() {}

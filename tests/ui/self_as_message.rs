@@ -1,0 +1,16 @@
+use idempotent::idempotent;
+
+struct Order {
+    order_id: u64,
+}
+
+struct Consumer;
+
+impl Consumer {
+    #[idempotent(key = "order:{order_id}", message = self)]
+    async fn handle(&self, msg: Order) {
+        let _ = msg.order_id;
+    }
+}
+
+fn main() {}
