@@ -1,1 +1,139 @@
-fn main() {}
+//! What `#[idempotent]` costs on the in-memory store.
+//!
+//! * `memory_store/claim_complete`: one claim plus one complete, fresh key each time.
+//! * `handler/*`: a no-op handler called directly, through `#[idempotent]` with a
+//!   fresh key (claim, run, complete), and through `#[idempotent]` with a key that is
+//!   already done (the duplicate path); on one thread, and with two threads
+//!   contending on one store.
+//!
+//! `cargo bench --bench overhead`
+
+use std::hint::black_box;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, LazyLock};
+use std::time::{Duration, Instant};
+
+use criterion::{Criterion, criterion_group, criterion_main};
+use idempotent::{Claim, Key, MemoryStore, Store, idempotent};
+use tokio::runtime::Runtime;
+
+struct Msg {
+    id: u64,
+}
+
+#[derive(Debug, thiserror::Error, idempotent::Classify)]
+#[error("never")]
+#[idempotent(retryable)]
+struct Never;
+
+/// Records expire quickly so the store's size stays bounded over millions of calls.
+static STORE: LazyLock<MemoryStore> = LazyLock::new(MemoryStore::new);
+static NEXT: AtomicU64 = AtomicU64::new(0);
+
+async fn direct(msg: Msg) -> Result<u64, Never> {
+    Ok(black_box(msg.id))
+}
+
+#[idempotent(key = "msg:{id}", ttl = "50ms", store = STORE)]
+async fn wrapped(msg: Msg) -> Result<u64, Never> {
+    Ok(black_box(msg.id))
+}
+
+fn fresh() -> Msg {
+    Msg {
+        id: NEXT.fetch_add(1, Ordering::Relaxed),
+    }
+}
+
+fn store(c: &mut Criterion) {
+    let rt = current_thread();
+    let store = MemoryStore::new();
+    let (lease, ttl) = (Duration::from_secs(30), Duration::from_millis(50));
+    c.bench_function("memory_store/claim_complete", |b| {
+        b.to_async(&rt).iter_custom(|iters| {
+            let keys: Vec<Key> = (0..iters)
+                .map(|_| {
+                    Key::new("bench", NEXT.fetch_add(1, Ordering::Relaxed).to_string()).unwrap()
+                })
+                .collect();
+            let store = &store;
+            async move {
+                let start = Instant::now();
+                for key in &keys {
+                    let Ok(Claim::Won { token, .. }) = store.claim(key, lease, ttl).await else {
+                        panic!("fresh key")
+                    };
+                    let _ = black_box(store.complete(key, token, ttl).await.unwrap());
+                }
+                start.elapsed()
+            }
+        })
+    });
+}
+
+fn handler(c: &mut Criterion) {
+    let rt = current_thread();
+    let mut group = c.benchmark_group("handler");
+    group.bench_function("direct", |b| b.to_async(&rt).iter(|| direct(fresh())));
+    group.bench_function("idempotent_fresh_key", |b| {
+        b.to_async(&rt).iter(|| wrapped(fresh()))
+    });
+    let done = Msg { id: u64::MAX };
+    rt.block_on(async {
+        let _ = wrapped(Msg { id: done.id }).await;
+    });
+    group.bench_function("idempotent_duplicate", |b| {
+        b.to_async(&rt).iter(|| async {
+            // Re-mark it done whenever its 50 ms window lapses.
+            black_box(wrapped(Msg { id: done.id }).await.unwrap())
+        })
+    });
+
+    let rt2 = Arc::new(
+        tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()
+            .unwrap(),
+    );
+    for (name, wrapped_call) in [
+        ("direct_2_threads", false),
+        ("idempotent_fresh_key_2_threads", true),
+    ] {
+        group.bench_function(name, |b| {
+            b.iter_custom(|iters| {
+                let start = Instant::now();
+                rt2.block_on(async {
+                    let tasks: Vec<_> = (0..2)
+                        .map(|_| {
+                            tokio::spawn(async move {
+                                for _ in 0..iters / 2 {
+                                    if wrapped_call {
+                                        let _ = black_box(wrapped(fresh()).await.unwrap());
+                                    } else {
+                                        black_box(direct(fresh()).await.unwrap());
+                                    }
+                                }
+                            })
+                        })
+                        .collect();
+                    for t in tasks {
+                        t.await.unwrap();
+                    }
+                });
+                start.elapsed()
+            })
+        });
+    }
+    group.finish();
+}
+
+fn current_thread() -> Runtime {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap()
+}
+
+criterion_group!(benches, store, handler);
+criterion_main!(benches);
