@@ -40,7 +40,10 @@
 //!
 //! The rewritten function returns `Result<Outcome<T>, idempotent::Error<E>>` where the
 //! handler returned `Result<T, E>` (or `Result<Outcome<T>, Error<Infallible>>` where it
-//! returned a plain `T`). [`DispositionExt::disposition`] on that result says whether
+//! returned a plain `T`). The return type must be spelled `Result<T, E>` or a
+//! one-argument alias such as `io::Result<T>`; any other type is a value of an
+//! infallible handler. `E` must implement [`Classify`](trait@Classify) (or pass
+//! `classify = path`) and `Display` (alerts carry the rendered error). [`DispositionExt::disposition`] on that result says whether
 //! to ack, retry or dead-letter the delivery.
 //!
 //! # Arguments
@@ -52,7 +55,7 @@
 //! | `ttl = 600` | Dedupe window after completion: seconds, or a string with units (`"500ms"`, `"10m"`, `"24h"`, `"1h30m"`; units `ms s m h d`). Default 24 hours. |
 //! | `lease = 30` | How long a claim holds without renewal (renewed every third of it while the body runs). Same units. Default 30 s, or the ttl if shorter. Must be ≤ `ttl`. |
 //! | `max_attempts = 5` | Attempts before a retryable error is treated as terminal. Default 5. Attempts that never finished (crash, panic, cancellation) count. |
-//! | `namespace = "payments"` | Key prefix; default the function's name. Handlers sharing a namespace share records. No `:`. |
+//! | `namespace = "payments"` | Key prefix; default the function's name. Handlers sharing a namespace share records, so give methods with common names (`handle`) their own. No `:`. |
 //! | `store = expr` | The [`Store`], or anything that dereferences to one (`Arc<S>`, `&S`, a `LazyLock`); may use the arguments, e.g. `store = self.store`. Default: the process-wide store from [`set_default_store`]; with none set, calls fail with [`StoreError::NotConfigured`]. |
 //! | `message = ident` | Which argument is the message. Default: the first argument after `self`. |
 //! | `on_terminal = path` | `async fn(TerminalEvent)` called on terminal failures instead of the process-wide [`AlertSink`] (default: a `tracing` error event). |
@@ -104,12 +107,12 @@
 //!     let key = key.finish();
 //!     let store = &idempotent::__private::DefaultStore;
 //!     idempotent::__private::run(
-//!         Spec { ttl: Duration::from_millis(600_000), lease: Duration::from_millis(30_000), max_attempts: 5 },
+//!         Spec::new(Duration::from_millis(600_000), Duration::from_millis(30_000), 5),
 //!         store,
 //!         key,
 //!         <PayError as idempotent::Classify>::class,
 //!         idempotent::__private::process_sink,
-//!         async move { body },
+//!         async { body },
 //!     )
 //!     .await
 //! }

@@ -36,9 +36,5 @@ fn memory_store_releases_a_dropped_future_at_once() {
 }
 
 fn idempotent_spec() -> idempotent::__private::Spec {
-    idempotent::__private::Spec {
-        ttl: idempotent::testing::TTL,
-        lease: idempotent::testing::LEASE,
-        max_attempts: 5,
-    }
+    idempotent::__private::Spec::new(idempotent::testing::TTL, idempotent::testing::LEASE, 5)
 }

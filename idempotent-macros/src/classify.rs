@@ -22,14 +22,46 @@ struct Marks {
 }
 
 pub fn derive(item: TokenStream) -> TokenStream {
-    match expand(item) {
+    let input: DeriveInput = match syn::parse2(item) {
+        Ok(input) => input,
+        Err(e) => return e.to_compile_error(),
+    };
+    match expand(&input) {
         Ok(tokens) => tokens,
-        Err(e) => e.to_compile_error(),
+        Err(e) => {
+            // An impl that type-checks, so each use of the type does not add its own
+            // "does not implement Classify" to the real errors.
+            let errors = e.to_compile_error();
+            let fallback = implement(
+                &input,
+                &default_crate(&input),
+                quote!(::core::unreachable!()),
+            );
+            quote!(#errors #fallback)
+        }
     }
 }
 
-fn expand(item: TokenStream) -> syn::Result<TokenStream> {
-    let input: DeriveInput = syn::parse2(item)?;
+fn default_crate(input: &DeriveInput) -> Path {
+    marks(&input.attrs, true, &mut Errors::default())
+        .krate
+        .unwrap_or_else(|| parse_quote!(::idempotent))
+}
+
+fn implement(input: &DeriveInput, krate: &Path, body: TokenStream) -> TokenStream {
+    let name = &input.ident;
+    let (impl_generics, ty_generics, where_clause) = input.generics.split_for_impl();
+    quote! {
+        #[automatically_derived]
+        impl #impl_generics #krate::Classify for #name #ty_generics #where_clause {
+            fn class(&self) -> #krate::ErrorClass {
+                #body
+            }
+        }
+    }
+}
+
+fn expand(input: &DeriveInput) -> syn::Result<TokenStream> {
     let mut errors = Errors::default();
     let top = marks(&input.attrs, true, &mut errors);
     let krate = top
@@ -113,17 +145,7 @@ fn expand(item: TokenStream) -> syn::Result<TokenStream> {
         }
     };
     errors.finish()?;
-
-    let name = &input.ident;
-    let (impl_generics, ty_generics, where_clause) = input.generics.split_for_impl();
-    Ok(quote! {
-        #[automatically_derived]
-        impl #impl_generics #krate::Classify for #name #ty_generics #where_clause {
-            fn class(&self) -> #krate::ErrorClass {
-                #body
-            }
-        }
-    })
+    Ok(implement(input, &krate, body))
 }
 
 /// Reads `#[idempotent(...)]` marks. `crate = path` is accepted on the type only.

@@ -103,18 +103,20 @@ impl Handler {
         // Named arguments, in order; `self` is never the message.
         let mut has_receiver = false;
         let mut named: Vec<(&Ident, &syn::PatType)> = Vec::new();
-        let mut unnamed: Vec<&syn::PatType> = Vec::new();
         for input in &sig.inputs {
             match input {
                 FnArg::Receiver(_) => has_receiver = true,
                 FnArg::Typed(pt) => match &*pt.pat {
                     Pat::Ident(p) if p.subpat.is_none() => named.push((&p.ident, pt)),
-                    _ => unnamed.push(pt),
+                    _ => {}
                 },
             }
         }
 
+        // The message: named by `message = ...`, else the first argument after `self`.
+        // A default that can't serve is only an error if the key needs the message.
         let errors_before = errors.count();
+        let mut no_message: Option<syn::Error> = None;
         let message: Option<Ident> = match args.message.take() {
             Some(ident) if ident == "self" => {
                 errors.at(
@@ -146,30 +148,31 @@ impl Handler {
                 Some(pt) => match &*pt.pat {
                     Pat::Ident(p) if p.subpat.is_none() => Some(p.ident.clone()),
                     pat => {
-                        errors.at(
+                        no_message = Some(syn::Error::new(
                             pat.span(),
-                            "the message argument must be a plain name so the key can read it: \
-                             bind it as `msg: Type` and destructure inside the body",
-                        );
+                            "the key reads the message, so the message argument must be a plain \
+                             name: bind it as `msg: Type` and destructure inside the body, or \
+                             name another argument with `message = ...`",
+                        ));
                         None
                     }
                 },
                 None => {
-                    errors.at(
+                    no_message = Some(syn::Error::new(
                         sig.ident.span(),
                         "#[idempotent] needs a message argument to build the key from: add one, \
                          e.g. `msg: OrderPlaced`",
-                    );
+                    ));
                     None
                 }
             },
         };
-
         // Placeholders can't be resolved against a message argument that was rejected.
         let message_rejected = errors.count() > errors_before;
 
         // Key: a template or a function, not both.
         let mut key = Vec::new();
+        let mut needs_message = false;
         match (args.key.take(), args.key_fn.take()) {
             (Some(_), Some(path)) => errors.at(
                 path.span(),
@@ -180,17 +183,17 @@ impl Handler {
                 "missing `key`: say what identifies a message, e.g. \
                  #[idempotent(key = \"order:{order_id}\")], or pass `key_fn = path`",
             ),
+            (None, None) => {}
             (Some(lit), None) => match template::parse(&lit) {
                 Ok(segments) => {
                     for segment in segments {
                         match segment {
                             Segment::Text(text) => key.push(KeyPart::Text(text)),
                             Segment::Placeholder(parts) => {
-                                let resolved =
-                                    resolve(&parts, &lit, has_receiver, &named, message.as_ref());
-                                match resolved {
-                                    Ok(access) => key.push(KeyPart::Field(access)),
-                                    Err(_) if message_rejected => {}
+                                match resolve(&parts, &lit, has_receiver, &named, message.as_ref())
+                                {
+                                    Ok(Some(access)) => key.push(KeyPart::Field(access)),
+                                    Ok(None) => needs_message = true,
                                     Err(e) => errors.push(e),
                                 }
                             }
@@ -199,16 +202,19 @@ impl Handler {
                 }
                 Err(e) => errors.push(e),
             },
-            (None, Some(path)) => {
-                if let Some(msg) = &message {
+            (None, Some(path)) => match &message {
+                Some(msg) => {
                     let expr = quote_spanned!(path.span()=> #path(&#msg));
-                    key.push(KeyPart::Field(Access {
-                        label: "key_fn".to_owned(),
-                        expr,
-                    }));
+                    let label = "key_fn".to_owned();
+                    key.push(KeyPart::Field(Access { label, expr }));
                 }
+                None => needs_message = true,
+            },
+        }
+        if needs_message && !message_rejected {
+            if let Some(e) = no_message.take() {
+                errors.push(e);
             }
-            (None, None) => {}
         }
 
         let ttl_ms = args.ttl.get().map_or(DEFAULT_TTL_MS, |t| t.ms);
@@ -319,11 +325,11 @@ impl Handler {
             None => quote!(let #store_var = &#private::DefaultStore;),
         };
         let spec = quote! {
-            #private::Spec {
-                ttl: ::core::time::Duration::from_millis(#ttl_ms),
-                lease: ::core::time::Duration::from_millis(#lease_ms),
-                max_attempts: #max_attempts,
-            }
+            #private::Spec::new(
+                ::core::time::Duration::from_millis(#ttl_ms),
+                ::core::time::Duration::from_millis(#lease_ms),
+                #max_attempts,
+            )
         };
 
         let body = body_block(&func);
@@ -361,7 +367,9 @@ impl Handler {
     }
 }
 
-/// The user's body as an `async move` block. A never-taken `return` typed as the
+/// The user's body as an `async` block. Not `move`: it captures each argument the
+/// way the body uses it, so a `store = ...` expression may borrow an argument the body
+/// also uses. A never-taken `return` typed as the
 /// declared return type lets rustc infer `?` conversions and report type errors
 /// against the user's own code.
 fn body_block(func: &ItemFn) -> TokenStream {
@@ -387,7 +395,7 @@ fn body_block(func: &ItemFn) -> TokenStream {
         }
         _ => quote!(),
     };
-    quote_spanned!(func.block.span()=> async move { #fake_return #(#stmts)* })
+    quote_spanned!(func.block.span()=> async { #fake_return #(#stmts)* })
 }
 
 fn mentions_impl_trait(ty: &Type) -> bool {
@@ -437,13 +445,14 @@ fn returns(output: &ReturnType, krate: &syn::Path) -> Returns {
 }
 
 /// Resolves `{a.b.c}`: `self` and argument names first, then a path on the message.
+/// `Ok(None)`: the placeholder reads the message, and there is none.
 fn resolve(
     parts: &[String],
     lit: &LitStr,
     has_receiver: bool,
     named: &[(&Ident, &syn::PatType)],
     message: Option<&Ident>,
-) -> syn::Result<Access> {
+) -> syn::Result<Option<Access>> {
     let span = lit.span();
     let label = parts.join(".");
     let members = |parts: &[String]| -> syn::Result<Vec<syn::Member>> {
@@ -487,18 +496,11 @@ fn resolve(
         msg.set_span(msg.span().located_at(span));
         (quote!(#msg), parts)
     } else {
-        return Err(syn::Error::new(
-            span,
-            format_args!(
-                "`{{{label}}}` names no argument, and there is no message argument to read it from"
-            ),
-        ));
+        return Ok(None);
     };
     let members = members(rest)?;
-    Ok(Access {
-        label,
-        expr: quote!(#base #(.#members)*),
-    })
+    let expr = quote!(#base #(.#members)*);
+    Ok(Some(Access { label, expr }))
 }
 
 /// `90000` → `"90s"`, for messages.

@@ -3,7 +3,7 @@
 
 use std::fmt::Display;
 use std::future::Future;
-use std::panic::AssertUnwindSafe;
+use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::time::Duration;
 
 use futures_util::FutureExt as _;
@@ -21,21 +21,52 @@ pub const DEFAULT_TTL: Duration = Duration::from_secs(24 * 60 * 60);
 /// A handler's settings, from its attribute.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Spec {
+    ttl: Duration,
+    lease: Duration,
+    max_attempts: u32,
+}
+
+impl Spec {
+    /// The shortest lease: renewal runs every third of the lease, so a shorter one
+    /// could lapse between renewals.
+    pub const MIN_LEASE: Duration = Duration::from_millis(30);
+
+    /// Settings with a dedupe window of `ttl`, claims held for `lease` between
+    /// renewals, and `max_attempts` attempts. A lease under [`Spec::MIN_LEASE`] is
+    /// raised to it; `max_attempts` is at least 1.
+    pub const fn new(ttl: Duration, lease: Duration, max_attempts: u32) -> Spec {
+        let lease = if lease.as_nanos() < Spec::MIN_LEASE.as_nanos() {
+            Spec::MIN_LEASE
+        } else {
+            lease
+        };
+        let max_attempts = if max_attempts == 0 { 1 } else { max_attempts };
+        Spec {
+            ttl,
+            lease,
+            max_attempts,
+        }
+    }
+
     /// How long a DONE or FAILED record is kept.
-    pub ttl: Duration,
+    pub const fn ttl(&self) -> Duration {
+        self.ttl
+    }
+
     /// How long a claim holds without renewal.
-    pub lease: Duration,
+    pub const fn lease(&self) -> Duration {
+        self.lease
+    }
+
     /// Attempts allowed before a retryable error counts as terminal.
-    pub max_attempts: u32,
+    pub const fn max_attempts(&self) -> u32 {
+        self.max_attempts
+    }
 }
 
 impl Default for Spec {
     fn default() -> Self {
-        Spec {
-            ttl: DEFAULT_TTL,
-            lease: DEFAULT_LEASE,
-            max_attempts: DEFAULT_MAX_ATTEMPTS,
-        }
+        Spec::new(DEFAULT_TTL, DEFAULT_LEASE, DEFAULT_MAX_ATTEMPTS)
     }
 }
 
@@ -44,7 +75,7 @@ impl Default for Spec {
 /// 1. `key` is the rendered key; an error returns [`Error::Key`] and runs nothing.
 /// 2. Claims the key in `store`: a duplicate, a live claim elsewhere or a key that
 ///    failed before returns without running `body`.
-/// 3. Runs `body` while renewing the lease every third of `spec.lease`. A panic is
+/// 3. Runs `body` while renewing the lease every third of `spec.lease()`. A panic is
 ///    caught and the key released. If this future is dropped mid-way, the store's
 ///    [`abandon`](Store::abandon) releases the key (or its lease runs out).
 /// 4. Records the result: DONE on `Ok`; released on a retryable error before the
@@ -85,8 +116,8 @@ where
     F: Future<Output = Result<T, E>>,
 {
     let key = key.map_err(Error::Key)?;
-    let claim = store.claim(&key, spec.lease, spec.ttl).await;
-    let (token, attempt) = match claim {
+    let answer = store.claim(&key, spec.lease, spec.ttl).await;
+    let (token, attempt) = match answer {
         Ok(Claim::Won { token, attempt }) => (token, attempt),
         Ok(Claim::Done) => return Ok(Outcome::Duplicate),
         Ok(Claim::InProgress) => return Ok(Outcome::InProgress),
@@ -98,20 +129,24 @@ where
             });
         }
     };
-    let record = Record {
+    let claim = HeldClaim {
         spec,
         store,
         key: &key,
         token,
-        attempt,
     };
 
     if attempt > spec.max_attempts {
-        // Every allowed attempt was started and none finished: a crash or a panic
-        // each time. Stop the loop here instead of running the handler again.
-        record.fail("earlier attempts never finished").await;
+        // Every allowed attempt was started and none finished (each crashed, panicked
+        // or was cancelled). Stop the loop here instead of running the handler again.
         let attempts = attempt - 1;
-        on_terminal(record.event(true, format!("{attempts} attempt(s) never finished"))).await;
+        claim.fail("earlier attempts never finished").await;
+        let event = claim.event(
+            attempts,
+            true,
+            format!("{attempts} attempt(s) never finished"),
+        );
+        alert(on_terminal, event).await;
         return Err(Error::Abandoned { attempts });
     }
 
@@ -121,7 +156,7 @@ where
         token,
         armed: true,
     };
-    let finished = with_renewal(&record, AssertUnwindSafe(body).catch_unwind()).await;
+    let finished = with_renewal(&claim, AssertUnwindSafe(body).catch_unwind()).await;
     abandon.disarm();
 
     match finished {
@@ -134,13 +169,18 @@ where
             }),
         },
         Ok(Err(error)) => {
-            let retryable = classify(&error) == ErrorClass::Retryable;
+            // User code (classify, Display, the hook) runs outside the body's
+            // catch_unwind: a panic in it must not leave the claim dangling.
+            let class = catch_unwind(AssertUnwindSafe(|| classify(&error)));
+            let retryable = class.is_err() || class.is_ok_and(|c| c == ErrorClass::Retryable);
             if retryable && attempt < spec.max_attempts {
-                record.release().await;
+                claim.release().await;
                 return Err(Error::Retryable { error, attempt });
             }
-            record.fail("the handler failed for good").await;
-            on_terminal(record.event(retryable, error.to_string())).await;
+            claim.fail("the handler failed for good").await;
+            let message = catch_unwind(AssertUnwindSafe(|| error.to_string()))
+                .unwrap_or_else(|_| "(the error's Display implementation panicked)".to_owned());
+            alert(on_terminal, claim.event(attempt, retryable, message)).await;
             Err(Error::Terminal {
                 error,
                 attempt,
@@ -148,7 +188,7 @@ where
             })
         }
         Err(panic) => {
-            record.release().await;
+            claim.release().await;
             let message = panic_message(&*panic);
             Err(Error::Panicked { message, attempt })
         }
@@ -192,16 +232,15 @@ where
     .await
 }
 
-/// A claim that was won, and the transitions that end it.
-struct Record<'a, S: ?Sized> {
+/// A claim this call won, and the transitions that end it.
+struct HeldClaim<'a, S: ?Sized> {
     spec: Spec,
     store: &'a S,
     key: &'a Key,
     token: Token,
-    attempt: u32,
 }
 
-impl<S: Store + ?Sized> Record<'_, S> {
+impl<S: Store + ?Sized> HeldClaim<'_, S> {
     /// Releases the claim. On failure the lease runs out instead, which has the same
     /// effect later, so the caller's answer does not change.
     async fn release(&self) {
@@ -230,38 +269,54 @@ impl<S: Store + ?Sized> Record<'_, S> {
         }
     }
 
-    fn event(&self, exhausted: bool, error: String) -> TerminalEvent {
+    fn event(&self, attempt: u32, exhausted: bool, error: String) -> TerminalEvent {
         TerminalEvent {
             namespace: self.key.namespace().to_owned(),
             key: self.key.id().escape_ascii().to_string(),
-            attempt: self.attempt,
+            attempt,
             exhausted,
             error,
         }
     }
 }
 
+/// Sends a terminal alert. The record is already FAILED, so a panicking hook is
+/// logged rather than allowed to unwind through the caller.
+async fn alert<H, HF>(on_terminal: H, event: TerminalEvent)
+where
+    H: FnOnce(TerminalEvent) -> HF,
+    HF: Future<Output = ()>,
+{
+    let (namespace, key) = (event.namespace.clone(), event.key.clone());
+    let sent = async move { on_terminal(event).await };
+    if AssertUnwindSafe(sent).catch_unwind().await.is_err() {
+        tracing::error!(%namespace, %key, "the on_terminal hook panicked; the alert was lost");
+    }
+}
+
 /// Polls `body` to completion while renewing the claim's lease every third of it.
-async fn with_renewal<S, F>(record: &Record<'_, S>, body: F) -> F::Output
+async fn with_renewal<S, F>(claim: &HeldClaim<'_, S>, body: F) -> F::Output
 where
     S: Store + ?Sized,
     F: Future,
 {
-    let period = (record.spec.lease / 3).max(Duration::from_millis(1));
+    // Renew every third of the lease, each try bounded by that third, so one slow
+    // or failed renewal leaves another chance before the lease runs out.
+    let period = claim.spec.lease / 3;
     let renew = async {
         loop {
             tokio::time::sleep(period).await;
-            match record
-                .store
-                .renew(record.key, record.token, record.spec.lease)
-                .await
-            {
-                Ok(Transition::Applied) => {}
-                Ok(Transition::LeaseLost) => {
-                    tracing::warn!(key = %record.key, "lease lost while the handler ran");
+            let renewal = claim.store.renew(claim.key, claim.token, claim.spec.lease);
+            match tokio::time::timeout(period, renewal).await {
+                Ok(Ok(Transition::Applied)) => {}
+                Ok(Ok(Transition::LeaseLost)) => {
+                    tracing::warn!(key = %claim.key, "lease lost while the handler ran");
                     return std::future::pending().await;
                 }
-                Err(error) => tracing::warn!(key = %record.key, %error, "lease renewal failed"),
+                Ok(Err(error)) => {
+                    tracing::warn!(key = %claim.key, %error, "lease renewal failed")
+                }
+                Err(_) => tracing::warn!(key = %claim.key, "lease renewal timed out"),
             }
         }
     };

@@ -146,6 +146,13 @@ impl MemoryStore {
     }
 }
 
+/// How long a claimed record is kept: the dedupe window, and at least one lease past
+/// the claim's own lease, so the attempt count outlives a consumer that died holding
+/// it. Stores use the same rule.
+pub(crate) fn retention(lease: Duration, ttl: Duration) -> Duration {
+    ttl.max(lease) + lease
+}
+
 impl Shard {
     fn sweep(&mut self, now: Instant) {
         self.records.retain(|_, r| r.expires_at > now);
@@ -165,7 +172,7 @@ impl Store for MemoryStore {
     async fn claim(&self, key: &Key, lease: Duration, ttl: Duration) -> Result<Claim, StoreError> {
         Ok(self.with_record(key, |shard, now| {
             let token = Token::random();
-            let retain_until = now + lease.max(ttl);
+            let retain_until = now + retention(lease, ttl);
             let in_progress = State::InProgress {
                 token,
                 lease_until: now + lease,

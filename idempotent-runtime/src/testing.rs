@@ -72,11 +72,7 @@ impl Alerts {
 }
 
 fn spec(max_attempts: u32) -> Spec {
-    Spec {
-        ttl: TTL,
-        lease: LEASE,
-        max_attempts,
-    }
+    Spec::new(TTL, LEASE, max_attempts)
 }
 
 /// Runs a handler that counts its runs and returns `result`.
@@ -399,11 +395,7 @@ pub async fn store_fails_after_handler<S: Store + ?Sized>(store: &S) {
 /// After the ttl, a DONE key is forgotten and processed again.
 pub async fn ttl_expiry_forgets<S: Store + ?Sized>(store: &S) {
     let (key, runs, alerts) = (fresh_key("ttl"), AtomicU32::new(0), Alerts::default());
-    let short = Spec {
-        ttl: Duration::from_millis(300),
-        lease: Duration::from_millis(300),
-        max_attempts: 5,
-    };
+    let short = Spec::new(Duration::from_millis(300), Duration::from_millis(300), 5);
     let out = call(store, &key, short, &runs, &alerts, Ok(1)).await;
     assert_eq!(out.unwrap(), Outcome::Processed(1));
     assert_eq!(

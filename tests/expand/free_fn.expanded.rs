@@ -38,16 +38,16 @@ async fn process_order(
     let __idempotent_key = __idempotent_key.finish();
     let __idempotent_store = &::idempotent::__private::DefaultStore;
     ::idempotent::__private::run(
-            ::idempotent::__private::Spec {
-                ttl: ::core::time::Duration::from_millis(600000u64),
-                lease: ::core::time::Duration::from_millis(30000u64),
-                max_attempts: 5u32,
-            },
+            ::idempotent::__private::Spec::new(
+                ::core::time::Duration::from_millis(600000u64),
+                ::core::time::Duration::from_millis(30000u64),
+                5u32,
+            ),
             __idempotent_store,
             __idempotent_key,
             <PayError as ::idempotent::Classify>::class,
             ::idempotent::__private::process_sink,
-            async move {
+            async {
                 #[allow(
                     unknown_lints,
                     unreachable_code,

@@ -26,14 +26,14 @@ impl Consumer {
             __idempotent_store.__idempotent_as_store()
         };
         ::idempotent::__private::run_infallible(
-                ::idempotent::__private::Spec {
-                    ttl: ::core::time::Duration::from_millis(3600000u64),
-                    lease: ::core::time::Duration::from_millis(10000u64),
-                    max_attempts: 3u32,
-                },
+                ::idempotent::__private::Spec::new(
+                    ::core::time::Duration::from_millis(3600000u64),
+                    ::core::time::Duration::from_millis(10000u64),
+                    3u32,
+                ),
                 __idempotent_store,
                 __idempotent_key,
-                async move {
+                async {
                     let _ = &order.id;
                 },
             )

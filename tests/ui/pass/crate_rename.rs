@@ -20,7 +20,9 @@ struct Order {
     order_id: u64,
 }
 
-#[reexport::idem::idempotent(key = "order:{order_id}", crate = crate::reexport::idem, store = MemoryStore::new())]
+static STORE: std::sync::LazyLock<MemoryStore> = std::sync::LazyLock::new(MemoryStore::new);
+
+#[reexport::idem::idempotent(key = "order:{order_id}", crate = crate::reexport::idem, store = STORE)]
 async fn handle(msg: Order) -> Result<u64, Flaky> {
     Ok(msg.order_id)
 }
