@@ -167,6 +167,9 @@ pub use idempotent_runtime::{
 #[cfg(feature = "testing")]
 pub use idempotent_runtime::{store_suite, testing};
 
+#[cfg(feature = "redis")]
+pub use idempotent_runtime::{RedisStore, redis_store};
+
 /// What the `#[idempotent]` expansion calls. Not a public API: it changes without
 /// notice, which is why the macro crate is pinned to this exact version.
 #[doc(hidden)]

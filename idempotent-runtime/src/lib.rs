@@ -21,6 +21,8 @@ pub mod execute;
 mod key;
 mod memory;
 mod outcome;
+#[cfg(feature = "redis")]
+pub mod redis_store;
 mod store;
 #[cfg(feature = "testing")]
 pub mod testing;
@@ -31,6 +33,8 @@ pub use error::{Error, KeyError, StoreError};
 pub use key::{Key, KeyBuilder, MAX_KEY_LEN};
 pub use memory::MemoryStore;
 pub use outcome::{Disposition, DispositionExt, Outcome};
+#[cfg(feature = "redis")]
+pub use redis_store::RedisStore;
 pub use store::{
     AlreadySet, AsStore, Claim, DefaultStore, Store, Token, Transition, default_store,
     set_default_store,

@@ -1,0 +1,335 @@
+//! `RedisStore`: records in Redis or Redis Cluster, one atomic script per transition.
+
+use std::sync::{Arc, LazyLock};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use redis::aio::{ConnectionManager, ConnectionManagerConfig};
+use redis::cluster_async::ClusterConnection;
+use redis::{IntoConnectionInfo, RedisError, Script};
+use sha2::{Digest, Sha256};
+
+use crate::{Claim, Key, Store, StoreError, Token, Transition};
+
+/// The default key prefix: records live at `idempotent:{namespace}:{id}`.
+pub const DEFAULT_PREFIX: &str = "idempotent";
+/// Ids longer than this many bytes are stored under their SHA-256 instead:
+/// `{prefix}:{namespace}:sha256:{64 hex digits}`. So is any id that itself starts with
+/// `sha256:`, so a raw id can never take a hashed id's place.
+pub const MAX_RAW_ID_LEN: usize = 512;
+/// How long a command may wait for its reply before failing with a store error.
+pub const DEFAULT_RESPONSE_TIMEOUT: Duration = Duration::from_secs(5);
+/// How long connecting (or reconnecting) may take.
+pub const DEFAULT_CONNECTION_TIMEOUT: Duration = Duration::from_secs(2);
+
+// A record is one hash: s = state (P in progress, R released, D done, F failed),
+// t = claim token, a = attempts, l = lease deadline in ms of the server's clock.
+// Deadlines use the server's TIME, so consumers' clocks need not agree.
+
+/// ARGV: token, lease ms, ttl ms. Returns {state, attempts}: W (won), D, P or F.
+const CLAIM: &str = r"
+local now = redis.call('TIME')
+now = tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000)
+local r = redis.call('HMGET', KEYS[1], 's', 'a', 'l')
+local attempts = tonumber(r[2]) or 0
+if r[1] == 'D' or r[1] == 'F' then return {r[1], attempts} end
+if r[1] == 'P' and tonumber(r[3]) > now then return {'P', attempts} end
+attempts = attempts + 1
+local lease = tonumber(ARGV[2])
+redis.call('HSET', KEYS[1], 's', 'P', 't', ARGV[1], 'a', attempts, 'l', now + lease)
+local keep = math.max(lease, tonumber(ARGV[3]))
+if redis.call('PTTL', KEYS[1]) < keep then redis.call('PEXPIRE', KEYS[1], keep) end
+return {'W', attempts}
+";
+
+/// ARGV: token, final state (D or F), ttl ms. Returns 1 if applied, 0 if the lease was lost.
+const FINISH: &str = r"
+local r = redis.call('HMGET', KEYS[1], 's', 't')
+if r[1] ~= 'P' or r[2] ~= ARGV[1] then return 0 end
+redis.call('HSET', KEYS[1], 's', ARGV[2])
+redis.call('HDEL', KEYS[1], 't', 'l')
+redis.call('PEXPIRE', KEYS[1], ARGV[3])
+return 1
+";
+
+/// ARGV: token. Returns 1 if applied, 0 if the lease was lost. Keeps attempts and expiry.
+const RELEASE: &str = r"
+local r = redis.call('HMGET', KEYS[1], 's', 't')
+if r[1] ~= 'P' or r[2] ~= ARGV[1] then return 0 end
+redis.call('HSET', KEYS[1], 's', 'R')
+redis.call('HDEL', KEYS[1], 't', 'l')
+return 1
+";
+
+/// ARGV: token, lease ms. Returns 1 if applied, 0 if the lease was lost.
+const RENEW: &str = r"
+local r = redis.call('HMGET', KEYS[1], 's', 't')
+if r[1] ~= 'P' or r[2] ~= ARGV[1] then return 0 end
+local now = redis.call('TIME')
+now = tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000)
+local lease = tonumber(ARGV[2])
+redis.call('HSET', KEYS[1], 'l', now + lease)
+if redis.call('PTTL', KEYS[1]) < lease then redis.call('PEXPIRE', KEYS[1], lease) end
+return 1
+";
+
+/// The scripts, hashed once; run with EVALSHA, loaded on NOSCRIPT.
+struct Scripts {
+    claim: Script,
+    finish: Script,
+    release: Script,
+    renew: Script,
+}
+
+static SCRIPTS: LazyLock<Scripts> = LazyLock::new(|| Scripts {
+    claim: Script::new(CLAIM),
+    finish: Script::new(FINISH),
+    release: Script::new(RELEASE),
+    renew: Script::new(RENEW),
+});
+
+/// Records in Redis (standalone or Cluster), built on the `redis` crate's
+/// auto-reconnecting connections.
+///
+/// * Each transition (claim, complete, release, fail, renew) is one Lua script run
+///   with `EVALSHA` (loaded on `NOSCRIPT`): one round trip, atomic on the server.
+/// * A record is one hash at `{prefix}:{namespace}:{id}` holding state, claim token,
+///   attempt count and lease deadline, so it lives whole in one Cluster hash slot.
+///   Ids are binary-safe; ids over [`MAX_RAW_ID_LEN`] bytes are stored under their
+///   SHA-256.
+/// * An in-progress record's lease deadline is kept in the record, measured on the
+///   server's clock; the record itself is kept for `max(lease, ttl)` from its claim,
+///   so the attempt count survives a consumer that died mid-handler. DONE and FAILED
+///   records are kept for `ttl`.
+/// * The connection reconnects by itself: while Redis is down, calls fail with a
+///   store error (the handler does not run) and succeed again once it is back,
+///   without restarting the consumer.
+///
+/// Clones share the connection.
+#[derive(Clone)]
+pub struct RedisStore {
+    connection: Connection,
+    prefix: Arc<str>,
+}
+
+#[derive(Clone)]
+enum Connection {
+    Standalone(ConnectionManager),
+    Cluster(ClusterConnection),
+}
+
+impl std::fmt::Debug for RedisStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let kind = match self.connection {
+            Connection::Standalone(_) => "standalone",
+            Connection::Cluster(_) => "cluster",
+        };
+        f.debug_struct("RedisStore")
+            .field("kind", &kind)
+            .field("prefix", &self.prefix)
+            .finish()
+    }
+}
+
+impl RedisStore {
+    /// Connects to a standalone Redis (`redis://host:port/db`, or `rediss://` with the
+    /// `redis-tls` feature), with [`DEFAULT_RESPONSE_TIMEOUT`] and
+    /// [`DEFAULT_CONNECTION_TIMEOUT`].
+    pub async fn connect(url: impl IntoConnectionInfo) -> Result<RedisStore, StoreError> {
+        let client = redis::Client::open(url).map_err(unavailable)?;
+        let config = ConnectionManagerConfig::new()
+            .set_response_timeout(Some(DEFAULT_RESPONSE_TIMEOUT))
+            .set_connection_timeout(Some(DEFAULT_CONNECTION_TIMEOUT));
+        let manager = ConnectionManager::new_with_config(client, config)
+            .await
+            .map_err(unavailable)?;
+        Ok(RedisStore::from_connection_manager(manager))
+    }
+
+    /// Connects to a Redis Cluster through any of its nodes.
+    pub async fn cluster<I>(nodes: I) -> Result<RedisStore, StoreError>
+    where
+        I: IntoIterator,
+        I::Item: IntoConnectionInfo,
+    {
+        let client = redis::cluster::ClusterClientBuilder::new(nodes)
+            .response_timeout(DEFAULT_RESPONSE_TIMEOUT)
+            .connection_timeout(DEFAULT_CONNECTION_TIMEOUT)
+            .build()
+            .map_err(unavailable)?;
+        let connection = client.get_async_connection().await.map_err(unavailable)?;
+        Ok(RedisStore::from_cluster_connection(connection))
+    }
+
+    /// Uses a connection manager configured by the caller.
+    pub fn from_connection_manager(manager: ConnectionManager) -> RedisStore {
+        RedisStore {
+            connection: Connection::Standalone(manager),
+            prefix: DEFAULT_PREFIX.into(),
+        }
+    }
+
+    /// Uses a Cluster connection configured by the caller.
+    pub fn from_cluster_connection(connection: ClusterConnection) -> RedisStore {
+        RedisStore {
+            connection: Connection::Cluster(connection),
+            prefix: DEFAULT_PREFIX.into(),
+        }
+    }
+
+    /// Puts records under `prefix` instead of [`DEFAULT_PREFIX`].
+    pub fn with_prefix(mut self, prefix: impl Into<String>) -> RedisStore {
+        self.prefix = prefix.into().into();
+        self
+    }
+
+    /// The Redis key a record lives at.
+    ///
+    /// ```
+    /// use idempotent_runtime::{Key, redis_store::RedisStore};
+    ///
+    /// let key = Key::new("payments", "order:42").unwrap();
+    /// assert_eq!(RedisStore::redis_key_with("idempotent", &key), b"idempotent:payments:order:42");
+    /// ```
+    pub fn redis_key(&self, key: &Key) -> Vec<u8> {
+        RedisStore::redis_key_with(&self.prefix, key)
+    }
+
+    /// [`redis_key`](RedisStore::redis_key) for a given prefix.
+    pub fn redis_key_with(prefix: &str, key: &Key) -> Vec<u8> {
+        let id = key.id();
+        let mut out =
+            Vec::with_capacity(prefix.len() + key.namespace().len() + id.len().min(80) + 2);
+        out.extend_from_slice(prefix.as_bytes());
+        out.push(b':');
+        out.extend_from_slice(key.namespace().as_bytes());
+        out.push(b':');
+        if id.len() > MAX_RAW_ID_LEN || id.starts_with(b"sha256:") {
+            out.extend_from_slice(b"sha256:");
+            for byte in Sha256::digest(id) {
+                out.extend_from_slice(format!("{byte:02x}").as_bytes());
+            }
+        } else {
+            out.extend_from_slice(id);
+        }
+        out
+    }
+
+    async fn invoke<T: redis::FromRedisValue>(
+        &self,
+        script: &Script,
+        key: &Key,
+        args: &[&[u8]],
+    ) -> Result<T, StoreError> {
+        let mut invocation = script.prepare_invoke();
+        invocation.key(self.redis_key(key));
+        for arg in args {
+            invocation.arg(*arg);
+        }
+        let reply = match &self.connection {
+            Connection::Standalone(c) => invocation.invoke_async(&mut c.clone()).await,
+            Connection::Cluster(c) => invocation.invoke_async(&mut c.clone()).await,
+        };
+        reply.map_err(unavailable)
+    }
+
+    async fn transition(
+        &self,
+        script: &Script,
+        key: &Key,
+        args: &[&[u8]],
+    ) -> Result<Transition, StoreError> {
+        match self.invoke::<i64>(script, key, args).await? {
+            1 => Ok(Transition::Applied),
+            0 => Ok(Transition::LeaseLost),
+            other => Err(StoreError::Protocol(format!(
+                "transition script returned {other}"
+            ))),
+        }
+    }
+}
+
+fn unavailable(error: RedisError) -> StoreError {
+    StoreError::unavailable(error)
+}
+
+fn millis(d: Duration) -> Vec<u8> {
+    d.as_millis().max(1).to_string().into_bytes()
+}
+
+#[async_trait]
+impl Store for RedisStore {
+    async fn claim(&self, key: &Key, lease: Duration, ttl: Duration) -> Result<Claim, StoreError> {
+        let token = Token::random();
+        let token_text = token.to_string();
+        let args: [&[u8]; 3] = [token_text.as_bytes(), &millis(lease), &millis(ttl)];
+        let (state, attempts): (String, u32) = self.invoke(&SCRIPTS.claim, key, &args).await?;
+        match state.as_str() {
+            "W" => Ok(Claim::Won {
+                token,
+                attempt: attempts,
+            }),
+            "D" => Ok(Claim::Done),
+            "P" => Ok(Claim::InProgress),
+            "F" => Ok(Claim::Failed { attempts }),
+            other => Err(StoreError::Protocol(format!(
+                "claim script returned state {other:?}"
+            ))),
+        }
+    }
+
+    async fn complete(
+        &self,
+        key: &Key,
+        token: Token,
+        ttl: Duration,
+    ) -> Result<Transition, StoreError> {
+        let token = token.to_string();
+        self.transition(
+            &SCRIPTS.finish,
+            key,
+            &[token.as_bytes(), b"D", &millis(ttl)],
+        )
+        .await
+    }
+
+    async fn release(&self, key: &Key, token: Token) -> Result<Transition, StoreError> {
+        let token = token.to_string();
+        self.transition(&SCRIPTS.release, key, &[token.as_bytes()])
+            .await
+    }
+
+    async fn fail(&self, key: &Key, token: Token, ttl: Duration) -> Result<Transition, StoreError> {
+        let token = token.to_string();
+        self.transition(
+            &SCRIPTS.finish,
+            key,
+            &[token.as_bytes(), b"F", &millis(ttl)],
+        )
+        .await
+    }
+
+    async fn renew(
+        &self,
+        key: &Key,
+        token: Token,
+        lease: Duration,
+    ) -> Result<Transition, StoreError> {
+        let token = token.to_string();
+        self.transition(&SCRIPTS.renew, key, &[token.as_bytes(), &millis(lease)])
+            .await
+    }
+
+    /// Starts the release on the current Tokio runtime and returns at once; without
+    /// a runtime, the lease runs out instead.
+    fn abandon(&self, key: &Key, token: Token) {
+        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+            let (store, key) = (self.clone(), key.clone());
+            runtime.spawn(async move {
+                if let Err(error) = store.release(&key, token).await {
+                    tracing::warn!(key = %key, %error, "release of an abandoned claim failed; the lease will run out");
+                }
+            });
+        }
+    }
+}

@@ -1,0 +1,182 @@
+//! `RedisStore` when Redis misbehaves: each test runs its own `redis-server`, kills it
+//! or its connections at a chosen moment, and checks that no message is lost and none
+//! is marked done without its handler succeeding.
+
+mod support;
+
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::time::{Duration, Instant};
+
+use idempotent::testing::block_on;
+use idempotent::{Error, Outcome, RedisStore, idempotent};
+use support::RedisServer;
+use tokio::sync::Notify;
+
+struct Order {
+    order_id: u64,
+}
+
+#[derive(Debug, thiserror::Error, idempotent::Classify)]
+#[error("never")]
+#[idempotent(retryable)]
+struct Never;
+
+/// Retries `call` (as a broker redelivers) until it gives something other than a
+/// store error that says the handler did not run.
+async fn redeliver_until_store_answers<F, Fut>(mut call: F) -> Result<Outcome<()>, Error<Never>>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Result<Outcome<()>, Error<Never>>>,
+{
+    let deadline = Instant::now() + Duration::from_secs(15);
+    loop {
+        match call().await {
+            Err(Error::Store {
+                handler_ran: false, ..
+            }) if Instant::now() < deadline => tokio::time::sleep(Duration::from_millis(100)).await,
+            other => return other,
+        }
+    }
+}
+
+#[test]
+fn redis_killed_before_claim() {
+    if !support::have_redis_server() {
+        return;
+    }
+    let mut server = RedisServer::start();
+    block_on(async {
+        static RUNS: AtomicU32 = AtomicU32::new(0);
+        #[idempotent(key = "order:{order_id}", store = store)]
+        async fn handle(msg: Order, store: &RedisStore) -> Result<(), Never> {
+            let _ = msg;
+            RUNS.fetch_add(1, Ordering::SeqCst);
+            Ok(())
+        }
+
+        let store = RedisStore::connect(server.url()).await.unwrap();
+        server.kill();
+        let err = handle(Order { order_id: 1 }, &store).await.unwrap_err();
+        assert!(
+            matches!(
+                err,
+                Error::Store {
+                    handler_ran: false,
+                    ..
+                }
+            ),
+            "{err}"
+        );
+        assert_eq!(err.disposition(), idempotent::Disposition::Retry);
+        assert_eq!(RUNS.load(Ordering::SeqCst), 0, "the handler must not run");
+
+        // The same store, not a new one: it reconnects by itself.
+        server.restart();
+        let out = redeliver_until_store_answers(|| handle(Order { order_id: 1 }, &store)).await;
+        assert_eq!(out.unwrap(), Outcome::Processed(()));
+        assert_eq!(
+            handle(Order { order_id: 1 }, &store).await.unwrap(),
+            Outcome::Duplicate
+        );
+        assert_eq!(RUNS.load(Ordering::SeqCst), 1);
+    });
+}
+
+#[test]
+fn redis_killed_between_claim_and_complete() {
+    if !support::have_redis_server() {
+        return;
+    }
+    let mut server = RedisServer::start_persistent();
+    block_on(async {
+        static RUNS: AtomicU32 = AtomicU32::new(0);
+        static STARTED: Notify = Notify::const_new();
+        static FINISH: Notify = Notify::const_new();
+        #[idempotent(key = "order:{order_id}", store = store, lease = 1)]
+        async fn handle(msg: Order, store: &RedisStore, hold: bool) -> Result<(), Never> {
+            let _ = msg;
+            RUNS.fetch_add(1, Ordering::SeqCst);
+            if hold {
+                STARTED.notify_one();
+                FINISH.notified().await;
+            }
+            Ok(())
+        }
+
+        let store = RedisStore::connect(server.url()).await.unwrap();
+        let first = handle(Order { order_id: 7 }, &store, true);
+        let crash = async {
+            STARTED.notified().await;
+            server.kill();
+            FINISH.notify_one();
+        };
+        let (first, ()) = tokio::join!(first, crash);
+        let err = first.unwrap_err();
+        assert!(
+            matches!(
+                err,
+                Error::Store {
+                    handler_ran: true,
+                    ..
+                }
+            ),
+            "{err}"
+        );
+        assert_eq!(RUNS.load(Ordering::SeqCst), 1);
+
+        // The claim survived the restart (append-only file): until its lease runs out
+        // a redelivery is told the message is in progress, not run a second time at once.
+        server.restart();
+        let out =
+            redeliver_until_store_answers(|| handle(Order { order_id: 7 }, &store, false)).await;
+        assert_eq!(out.unwrap(), Outcome::InProgress);
+        tokio::time::sleep(Duration::from_millis(1_200)).await;
+        let out =
+            redeliver_until_store_answers(|| handle(Order { order_id: 7 }, &store, false)).await;
+        assert_eq!(
+            out.unwrap(),
+            Outcome::Processed(()),
+            "the message is not lost"
+        );
+        assert_eq!(RUNS.load(Ordering::SeqCst), 2);
+    });
+}
+
+#[test]
+fn connections_dropped_and_restored_mid_stream() {
+    if !support::have_redis_server() {
+        return;
+    }
+    let server = RedisServer::start();
+    block_on(async {
+        static RUNS: [AtomicU32; 200] = [const { AtomicU32::new(0) }; 200];
+        #[idempotent(key = "order:{order_id}", store = store)]
+        async fn handle(msg: Order, store: &RedisStore) -> Result<(), Never> {
+            RUNS[msg.order_id as usize].fetch_add(1, Ordering::SeqCst);
+            Ok(())
+        }
+
+        let store = RedisStore::connect(server.url()).await.unwrap();
+        let mut store_errors = 0;
+        for id in 0..200u64 {
+            if id % 50 == 25 {
+                let killed = server.cli(&["client", "kill", "type", "normal"]);
+                assert!(!killed.contains("ERR"), "{killed}");
+            }
+            // A consumer loop: redeliver until the outcome is recorded.
+            loop {
+                match handle(Order { order_id: id }, &store).await {
+                    Ok(Outcome::Processed(())) | Ok(Outcome::Duplicate) => break,
+                    Err(Error::Store {
+                        handler_ran: false, ..
+                    }) => store_errors += 1,
+                    other => panic!("order {id}: {other:?}"),
+                }
+            }
+        }
+        for (id, runs) in RUNS.iter().enumerate() {
+            assert_eq!(runs.load(Ordering::SeqCst), 1, "order {id}");
+        }
+        eprintln!("{store_errors} deliveries met a dropped connection and were redelivered");
+    });
+}

@@ -1,0 +1,160 @@
+//! `RedisStore` against real servers: the store-generic suite on the machine's Redis
+//! and on a 3-master Cluster of the test's own, two consumers racing through the
+//! Cluster, and keys no string-based store would survive.
+
+mod support;
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU32, Ordering};
+
+use idempotent::testing::{self, block_on};
+use idempotent::{Claim, Key, RedisStore, Store};
+use support::RedisCluster;
+
+// Every row of the life cycle, on standalone Redis.
+idempotent::store_suite!(match support::shared_store().await {
+    Some(store) => store,
+    None => return,
+});
+
+/// The same suite, unchanged, through a Redis Cluster.
+#[test]
+fn cluster_passes_the_store_suite() {
+    if !support::have_redis_server() {
+        return;
+    }
+    let cluster = RedisCluster::start();
+    block_on(async {
+        let store = RedisStore::cluster(cluster.urls())
+            .await
+            .expect("cluster reachable");
+        testing::first_delivery_success(&store).await;
+        testing::duplicate_within_ttl(&store).await;
+        testing::in_progress_elsewhere(&store).await;
+        testing::retryable_error_releases(&store).await;
+        testing::retryable_error_on_last_attempt(&store).await;
+        testing::terminal_error_fails(&store).await;
+        testing::panic_releases(&store).await;
+        testing::dropped_future_releases(&store).await;
+        testing::dead_consumer_claim_expires(&store).await;
+        testing::unfinished_attempts_are_capped(&store).await;
+        testing::store_unreachable_at_claim(&store).await;
+        testing::store_fails_after_handler(&store).await;
+        testing::ttl_expiry_forgets(&store).await;
+        testing::expired_lease_is_fenced(&store).await;
+        testing::late_completion_gets_lease_lost(&store).await;
+        testing::renewal_keeps_slow_handler(&store).await;
+        let store = Arc::new(store);
+        testing::concurrent_same_key_runs_once(store.clone()).await;
+        testing::many_keys_each_once(store).await;
+    });
+}
+
+/// Two consumers, each with its own Cluster connection, race over the same 1,000
+/// keys: every body runs exactly once.
+#[test]
+fn two_consumers_race_through_cluster() {
+    if !support::have_redis_server() {
+        return;
+    }
+    let cluster = RedisCluster::start();
+    block_on(async {
+        let namespace = testing::fresh_key("race").namespace().to_owned();
+        let runs: Arc<Vec<AtomicU32>> = Arc::new((0..1_000).map(|_| AtomicU32::new(0)).collect());
+        let mut consumers = Vec::new();
+        for _ in 0..2 {
+            let store = Arc::new(RedisStore::cluster(cluster.urls()).await.expect("cluster"));
+            let (runs, namespace) = (runs.clone(), namespace.clone());
+            consumers.push(tokio::spawn(async move {
+                let tasks: Vec<_> = (0..1_000u32)
+                    .map(|i| {
+                        let (store, runs, namespace) =
+                            (store.clone(), runs.clone(), namespace.clone());
+                        tokio::spawn(async move {
+                            let key = Key::new(&namespace, format!("order:{i}")).unwrap();
+                            idempotent::__private::run(
+                                idempotent::__private::Spec::default(),
+                                &*store,
+                                Ok(key),
+                                |_: &std::io::Error| idempotent::ErrorClass::Retryable,
+                                idempotent::__private::process_sink,
+                                async {
+                                    runs[i as usize].fetch_add(1, Ordering::SeqCst);
+                                    Ok::<_, std::io::Error>(())
+                                },
+                            )
+                            .await
+                        })
+                    })
+                    .collect();
+                for task in tasks {
+                    let outcome = task.await.unwrap().expect("no error");
+                    assert!(!matches!(outcome, idempotent::Outcome::Replayed(_)));
+                }
+            }));
+        }
+        for consumer in consumers {
+            consumer.await.unwrap();
+        }
+        for (i, n) in runs.iter().enumerate() {
+            assert_eq!(n.load(Ordering::SeqCst), 1, "order {i}");
+        }
+    });
+}
+
+/// Ids with spaces, colons, newlines, 10 KB, non-UTF-8 bytes and the hashed form's
+/// own prefix are stored and deduplicated correctly, never colliding.
+#[test]
+fn awkward_keys_are_distinct_and_deduplicated() {
+    block_on(async {
+        let Some(store) = support::shared_store().await else {
+            return;
+        };
+        let namespace = testing::fresh_key("keys").namespace().to_owned();
+        let long_a = "a".repeat(10 * 1024);
+        let mut long_b = long_a.clone();
+        long_b.push('b');
+        let ids: Vec<Vec<u8>> = vec![
+            b"order 42".to_vec(),
+            b"order:42".to_vec(),
+            b"order\n42".to_vec(),
+            b"order\r\n42".to_vec(),
+            b"order42".to_vec(),
+            long_a.clone().into_bytes(),
+            long_b.into_bytes(),
+            vec![0xff, 0xfe, 0x00, b'4', b'2'],
+            vec![0xff, 0xfe, 0x00, b'4', b'3'],
+            format!("sha256:{}", hex_sha256(long_a.as_bytes())).into_bytes(),
+            "订单:42".as_bytes().to_vec(),
+        ];
+        let keys: Vec<Key> = ids
+            .iter()
+            .map(|id| Key::new(&namespace, id).unwrap())
+            .collect();
+        let (lease, ttl) = (testing::LEASE, testing::TTL);
+        for (i, key) in keys.iter().enumerate() {
+            let Claim::Won { token, attempt: 1 } = store.claim(key, lease, ttl).await.unwrap()
+            else {
+                panic!("key {i} ({key}) collided with an earlier one")
+            };
+            let _ = store.complete(key, token, ttl).await.unwrap();
+        }
+        for key in &keys {
+            assert_eq!(
+                store.claim(key, lease, ttl).await.unwrap(),
+                Claim::Done,
+                "{key}"
+            );
+        }
+        let redis_key = store.redis_key(&keys[5]);
+        assert!(redis_key.len() < 200, "long ids are hashed");
+    });
+}
+
+fn hex_sha256(bytes: &[u8]) -> String {
+    use sha2::Digest;
+    sha2::Sha256::digest(bytes)
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect()
+}

@@ -1,0 +1,224 @@
+//! Real Redis servers for the tests: the machine's shared one, and private
+//! `redis-server` processes (standalone or a 3-master Cluster) that a test can kill
+//! and restart. Private servers listen on free loopback ports, keep their files in a
+//! fresh temporary directory and are killed when dropped.
+#![allow(dead_code)]
+
+use std::net::TcpListener;
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use idempotent::RedisStore;
+
+/// The machine's Redis (`REDIS_URL`, default `redis://127.0.0.1:6379`). `None`, with a
+/// printed reason, when it is unreachable outside CI; under `CI` a missing server
+/// fails the test.
+pub async fn shared_store() -> Option<RedisStore> {
+    let url = std::env::var("REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".into());
+    match RedisStore::connect(url.as_str()).await {
+        Ok(store) => Some(store),
+        Err(e) => {
+            assert!(
+                std::env::var_os("CI").is_none(),
+                "CI needs Redis at {url}: {e}"
+            );
+            eprintln!("skipped: no Redis at {url} ({e}); set REDIS_URL or start redis-server");
+            None
+        }
+    }
+}
+
+/// Whether `redis-server` can be run; outside CI a missing binary skips the test.
+pub fn have_redis_server() -> bool {
+    let ok = Command::new("redis-server")
+        .arg("--version")
+        .output()
+        .is_ok_and(|o| o.status.success());
+    if !ok {
+        assert!(
+            std::env::var_os("CI").is_none(),
+            "CI needs the redis-server binary"
+        );
+        eprintln!("skipped: redis-server is not installed");
+    }
+    ok
+}
+
+/// A `redis-server` process of this test's own.
+pub struct RedisServer {
+    pub port: u16,
+    dir: PathBuf,
+    args: Vec<String>,
+    child: Option<Child>,
+}
+
+impl RedisServer {
+    /// Starts a server that keeps nothing on disk.
+    pub fn start() -> RedisServer {
+        RedisServer::start_with(&["--save", "", "--appendonly", "no"])
+    }
+
+    /// Starts a server that writes every command to its append-only file before
+    /// answering, so a killed and restarted server still has its records.
+    pub fn start_persistent() -> RedisServer {
+        RedisServer::start_with(&[
+            "--save",
+            "",
+            "--appendonly",
+            "yes",
+            "--appendfsync",
+            "always",
+        ])
+    }
+
+    fn start_with(extra: &[&str]) -> RedisServer {
+        let port = free_port();
+        let dir = temp_dir(&format!("redis-{port}"));
+        let mut args: Vec<String> = [
+            "--port",
+            &port.to_string(),
+            "--bind",
+            "127.0.0.1",
+            "--dir",
+            dir.to_str().unwrap(),
+        ]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+        args.extend(extra.iter().map(|s| s.to_string()));
+        let mut server = RedisServer {
+            port,
+            dir,
+            args,
+            child: None,
+        };
+        server.restart();
+        server
+    }
+
+    pub fn url(&self) -> String {
+        format!("redis://127.0.0.1:{}", self.port)
+    }
+
+    /// Kills the server at once (SIGKILL), as a crash would.
+    pub fn kill(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+
+    /// Starts the server again on the same port and directory.
+    pub fn restart(&mut self) {
+        assert!(self.child.is_none(), "kill the server before restarting it");
+        let child = Command::new("redis-server")
+            .args(&self.args)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("redis-server starts");
+        self.child = Some(child);
+        wait_for_ping(self.port);
+    }
+
+    /// Runs `redis-cli` against this server and returns its output.
+    pub fn cli(&self, args: &[&str]) -> String {
+        cli(self.port, args)
+    }
+}
+
+impl Drop for RedisServer {
+    fn drop(&mut self) {
+        self.kill();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// A 3-master Redis Cluster of this test's own.
+pub struct RedisCluster {
+    pub nodes: Vec<RedisServer>,
+}
+
+impl RedisCluster {
+    pub fn start() -> RedisCluster {
+        let nodes: Vec<RedisServer> = (0..3)
+            .map(|_| {
+                RedisServer::start_with(&[
+                    "--save",
+                    "",
+                    "--appendonly",
+                    "no",
+                    "--cluster-enabled",
+                    "yes",
+                    "--cluster-config-file",
+                    "nodes.conf",
+                    "--cluster-node-timeout",
+                    "5000",
+                ])
+            })
+            .collect();
+        let addresses: Vec<String> = nodes
+            .iter()
+            .map(|n| format!("127.0.0.1:{}", n.port))
+            .collect();
+        let mut create = vec!["--cluster", "create"];
+        create.extend(addresses.iter().map(String::as_str));
+        create.extend(["--cluster-replicas", "0", "--cluster-yes"]);
+        let out = cli(nodes[0].port, &create);
+        assert!(
+            out.contains("[OK] All 16384 slots covered"),
+            "cluster create failed: {out}"
+        );
+        let deadline = Instant::now() + Duration::from_secs(20);
+        for node in &nodes {
+            while !node.cli(&["cluster", "info"]).contains("cluster_state:ok") {
+                assert!(Instant::now() < deadline, "cluster never became ready");
+                std::thread::sleep(Duration::from_millis(100));
+            }
+        }
+        RedisCluster { nodes }
+    }
+
+    pub fn urls(&self) -> Vec<String> {
+        self.nodes.iter().map(RedisServer::url).collect()
+    }
+}
+
+fn cli(port: u16, args: &[&str]) -> String {
+    let out = Command::new("redis-cli")
+        .args(["-h", "127.0.0.1", "-p", &port.to_string()])
+        .args(args)
+        .output()
+        .expect("redis-cli runs");
+    String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr)
+}
+
+fn wait_for_ping(port: u16) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !cli(port, &["ping"]).contains("PONG") {
+        assert!(
+            Instant::now() < deadline,
+            "redis-server on {port} did not start"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// A loopback port that is free, and whose Cluster bus port (+10000) is free too.
+fn free_port() -> u16 {
+    loop {
+        let listener = TcpListener::bind("127.0.0.1:0").expect("bind a free port");
+        let port = listener.local_addr().expect("local address").port();
+        if port < 55_000 && TcpListener::bind(("127.0.0.1", port + 10_000)).is_ok() {
+            return port;
+        }
+    }
+}
+
+fn temp_dir(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("idempotent-test-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).expect("create a temporary directory");
+    dir
+}
