@@ -1,15 +1,18 @@
-//! A consumer under at-least-once delivery, on the in-memory store.
+//! A consumer under at-least-once delivery.
 //!
 //! A small simulated broker redelivers anything not acked. The stream has duplicate
 //! publishes, a consumer crash mid-handler, a database timeout that succeeds on
 //! retry, a terminal error and a message that times out on every attempt.
-//! `cargo run --example quickstart`
+//!
+//! `cargo run --example quickstart` uses the in-memory store;
+//! `REDIS_URL=redis://127.0.0.1:6379 cargo run --example quickstart --features redis`
+//! uses Redis.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::{LazyLock, Mutex};
 use std::time::Duration;
 
-use idempotent::{Classify, Disposition, DispositionExt, MemoryStore, idempotent};
+use idempotent::{Classify, Disposition, DispositionExt, MemoryStore, Store, idempotent};
 
 #[derive(Debug, Clone)]
 struct OrderPlaced {
@@ -53,9 +56,35 @@ async fn charge(msg: OrderPlaced) -> Result<u64, PayError> {
     Ok(msg.order_id)
 }
 
+/// Redis when `REDIS_URL` is set, the in-memory store otherwise.
+async fn store() -> Box<dyn Store> {
+    match std::env::var("REDIS_URL") {
+        #[cfg(feature = "redis")]
+        Ok(url) => {
+            // A prefix of this run's own: earlier runs' records are still within their ttl.
+            let prefix = format!("quickstart-{}", idempotent::Token::random());
+            let redis = idempotent::RedisStore::connect(url.as_str())
+                .await
+                .expect("Redis at REDIS_URL");
+            println!("store: Redis at {url}, keys under {prefix}:");
+            Box::new(redis.with_prefix(prefix))
+        }
+        #[cfg(not(feature = "redis"))]
+        Ok(_) => panic!("REDIS_URL is set: run with `--features redis` to use Redis"),
+        Err(_) => {
+            println!("store: in memory (set REDIS_URL and add --features redis for Redis)");
+            Box::new(MemoryStore::new())
+        }
+    }
+}
+
 #[tokio::main]
 async fn main() {
-    idempotent::set_default_store(MemoryStore::new()).expect("set once, at start-up");
+    tracing_subscriber::fmt()
+        .with_target(false)
+        .without_time()
+        .init();
+    idempotent::set_default_store(store().await).expect("set once, at start-up");
 
     // Orders 1..=6 published, 1 and 2 twice (producer retries), 5 is too expensive.
     let mut broker: VecDeque<OrderPlaced> = [1, 2, 1, 3, 4, 2, 5, 6]

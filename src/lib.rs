@@ -160,8 +160,8 @@ pub use idempotent_macros::Classify;
 pub use idempotent_runtime::{
     AlertSink, AlreadySet, Claim, Classify, DefaultStore, Disposition, DispositionExt, Error,
     ErrorClass, Key, KeyBuilder, KeyError, MAX_KEY_LEN, MemoryStore, Outcome, Store, StoreError,
-    TerminalEvent, Token, Transition, alert, async_trait, default_store, set_alert_sink,
-    set_default_store,
+    TerminalEvent, Token, Transition, alert, async_trait, claim_retention, default_store,
+    set_alert_sink, set_default_store,
 };
 
 #[cfg(feature = "testing")]

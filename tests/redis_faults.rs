@@ -180,3 +180,37 @@ fn connections_dropped_and_restored_mid_stream() {
         eprintln!("{store_errors} deliveries met a dropped connection and were redelivered");
     });
 }
+
+#[test]
+fn scripts_are_reloaded_after_a_flush() {
+    if !support::have_redis_server() {
+        return;
+    }
+    let server = RedisServer::start();
+    block_on(async {
+        static RUNS: AtomicU32 = AtomicU32::new(0);
+        #[idempotent(key = "order:{order_id}", store = store)]
+        async fn handle(msg: Order, store: &RedisStore) -> Result<(), Never> {
+            let _ = msg;
+            RUNS.fetch_add(1, Ordering::SeqCst);
+            Ok(())
+        }
+
+        let store = RedisStore::connect(server.url()).await.unwrap();
+        assert_eq!(
+            handle(Order { order_id: 1 }, &store).await.unwrap(),
+            Outcome::Processed(())
+        );
+        // A restart or failover loses loaded scripts; EVALSHA then answers NOSCRIPT.
+        assert!(server.cli(&["script", "flush"]).contains("OK"));
+        assert_eq!(
+            handle(Order { order_id: 2 }, &store).await.unwrap(),
+            Outcome::Processed(())
+        );
+        assert_eq!(
+            handle(Order { order_id: 2 }, &store).await.unwrap(),
+            Outcome::Duplicate
+        );
+        assert_eq!(RUNS.load(Ordering::SeqCst), 2);
+    });
+}

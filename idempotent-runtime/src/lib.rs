@@ -36,8 +36,8 @@ pub use outcome::{Disposition, DispositionExt, Outcome};
 #[cfg(feature = "redis")]
 pub use redis_store::RedisStore;
 pub use store::{
-    AlreadySet, AsStore, Claim, DefaultStore, Store, Token, Transition, default_store,
-    set_default_store,
+    AlreadySet, AsStore, Claim, DefaultStore, Store, Token, Transition, claim_retention,
+    default_store, set_default_store,
 };
 
 /// Re-exported so that hand-written [`Store`] implementations can use

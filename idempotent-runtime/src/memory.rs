@@ -8,7 +8,7 @@ use async_trait::async_trait;
 use parking_lot::Mutex;
 use tokio::time::Instant;
 
-use crate::{Claim, Key, Store, StoreError, Token, Transition};
+use crate::{Claim, Key, Store, StoreError, Token, Transition, claim_retention};
 
 const SHARDS: usize = 64;
 /// A shard drops its expired records after this many writes...
@@ -146,13 +146,6 @@ impl MemoryStore {
     }
 }
 
-/// How long a claimed record is kept: the dedupe window, and at least one lease past
-/// the claim's own lease, so the attempt count outlives a consumer that died holding
-/// it. Stores use the same rule.
-pub(crate) fn retention(lease: Duration, ttl: Duration) -> Duration {
-    ttl.max(lease) + lease
-}
-
 impl Shard {
     fn sweep(&mut self, now: Instant) {
         self.records.retain(|_, r| r.expires_at > now);
@@ -172,7 +165,7 @@ impl Store for MemoryStore {
     async fn claim(&self, key: &Key, lease: Duration, ttl: Duration) -> Result<Claim, StoreError> {
         Ok(self.with_record(key, |shard, now| {
             let token = Token::random();
-            let retain_until = now + retention(lease, ttl);
+            let retain_until = now + claim_retention(lease, ttl);
             let in_progress = State::InProgress {
                 token,
                 lease_until: now + lease,

@@ -22,53 +22,61 @@ pub const DEFAULT_RESPONSE_TIMEOUT: Duration = Duration::from_secs(5);
 /// How long connecting (or reconnecting) may take.
 pub const DEFAULT_CONNECTION_TIMEOUT: Duration = Duration::from_secs(2);
 
-// A record is one hash: s = state (P in progress, R released, D done, F failed),
-// t = claim token, a = attempts, l = lease deadline in ms of the server's clock.
-// Deadlines use the server's TIME, so consumers' clocks need not agree.
+// A record is one string: "<state> <attempts> <lease deadline ms> <token>", state P
+// (in progress), R (released), D (done) or F (failed); deadline 0 and token "-" when
+// not in progress. Deadlines use the server's TIME, so consumers' clocks need not
+// agree. A string lets a claim on a fresh key be a single `SET NX PX`. Needs Redis
+// 6.0 or newer (`SET ... KEEPTTL`).
 
-/// ARGV: token, lease ms, ttl ms. Returns {state, attempts}: W (won), D, P or F.
-const CLAIM: &str = r"
+/// The claim script. KEYS: the record. ARGV: token, lease ms, retention ms. Returns
+/// `{state, attempts}` with state `W` (won), `D` (done), `P` (in progress) or `F`
+/// (failed).
+pub const CLAIM_SCRIPT: &str = r"
 local now = redis.call('TIME')
 now = tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000)
-local r = redis.call('HMGET', KEYS[1], 's', 'a', 'l')
-local attempts = tonumber(r[2]) or 0
-if r[1] == 'D' or r[1] == 'F' then return {r[1], attempts} end
-if r[1] == 'P' and tonumber(r[3]) > now then return {'P', attempts} end
-attempts = attempts + 1
-local lease = tonumber(ARGV[2])
-redis.call('HSET', KEYS[1], 's', 'P', 't', ARGV[1], 'a', attempts, 'l', now + lease)
-local keep = math.max(lease, tonumber(ARGV[3]))
-if redis.call('PTTL', KEYS[1]) < keep then redis.call('PEXPIRE', KEYS[1], keep) end
-return {'W', attempts}
+local deadline = string.format('%.0f', now + tonumber(ARGV[2]))
+if redis.call('SET', KEYS[1], 'P 1 ' .. deadline .. ' ' .. ARGV[1], 'PX', ARGV[3], 'NX') then
+  return {'W', 1}
+end
+local s, a, l = string.match(redis.call('GET', KEYS[1]) or '', '^(%u) (%d+) (%d+) ')
+if not s then return redis.error_reply('idempotent: unreadable record') end
+a = tonumber(a)
+if s == 'D' or s == 'F' then return {s, a} end
+if s == 'P' and tonumber(l) > now then return {'P', a} end
+a = a + 1
+local keep = math.max(tonumber(ARGV[3]), redis.call('PTTL', KEYS[1]))
+redis.call('SET', KEYS[1], 'P ' .. a .. ' ' .. deadline .. ' ' .. ARGV[1], 'PX', keep)
+return {'W', a}
 ";
 
-/// ARGV: token, final state (D or F), ttl ms. Returns 1 if applied, 0 if the lease was lost.
-const FINISH: &str = r"
-local r = redis.call('HMGET', KEYS[1], 's', 't')
-if r[1] ~= 'P' or r[2] ~= ARGV[1] then return 0 end
-redis.call('HSET', KEYS[1], 's', ARGV[2])
-redis.call('HDEL', KEYS[1], 't', 'l')
-redis.call('PEXPIRE', KEYS[1], ARGV[3])
+/// The complete and fail script. ARGV: token, final state (`D` or `F`), ttl ms.
+/// Returns 1 if applied, 0 if the lease was lost.
+pub const FINISH_SCRIPT: &str = r"
+local s, a, t = string.match(redis.call('GET', KEYS[1]) or '', '^(%u) (%d+) %d+ (%S+)')
+if s ~= 'P' or t ~= ARGV[1] then return 0 end
+redis.call('SET', KEYS[1], ARGV[2] .. ' ' .. a .. ' 0 -', 'PX', ARGV[3])
 return 1
 ";
 
-/// ARGV: token. Returns 1 if applied, 0 if the lease was lost. Keeps attempts and expiry.
-const RELEASE: &str = r"
-local r = redis.call('HMGET', KEYS[1], 's', 't')
-if r[1] ~= 'P' or r[2] ~= ARGV[1] then return 0 end
-redis.call('HSET', KEYS[1], 's', 'R')
-redis.call('HDEL', KEYS[1], 't', 'l')
+/// The release script. ARGV: token. Returns 1 if applied, 0 if the lease was lost.
+/// Keeps the attempt count and the expiry.
+pub const RELEASE_SCRIPT: &str = r"
+local s, a, t = string.match(redis.call('GET', KEYS[1]) or '', '^(%u) (%d+) %d+ (%S+)')
+if s ~= 'P' or t ~= ARGV[1] then return 0 end
+redis.call('SET', KEYS[1], 'R ' .. a .. ' 0 -', 'KEEPTTL')
 return 1
 ";
 
-/// ARGV: token, lease ms. Returns 1 if applied, 0 if the lease was lost.
-const RENEW: &str = r"
-local r = redis.call('HMGET', KEYS[1], 's', 't')
-if r[1] ~= 'P' or r[2] ~= ARGV[1] then return 0 end
+/// The renew script. ARGV: token, lease ms. Returns 1 if applied, 0 if the lease was
+/// lost.
+pub const RENEW_SCRIPT: &str = r"
+local s, a, t = string.match(redis.call('GET', KEYS[1]) or '', '^(%u) (%d+) %d+ (%S+)')
+if s ~= 'P' or t ~= ARGV[1] then return 0 end
 local now = redis.call('TIME')
 now = tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000)
 local lease = tonumber(ARGV[2])
-redis.call('HSET', KEYS[1], 'l', now + lease)
+local deadline = string.format('%.0f', now + lease)
+redis.call('SET', KEYS[1], 'P ' .. a .. ' ' .. deadline .. ' ' .. t, 'KEEPTTL')
 if redis.call('PTTL', KEYS[1]) < lease then redis.call('PEXPIRE', KEYS[1], lease) end
 return 1
 ";
@@ -82,10 +90,10 @@ struct Scripts {
 }
 
 static SCRIPTS: LazyLock<Scripts> = LazyLock::new(|| Scripts {
-    claim: Script::new(CLAIM),
-    finish: Script::new(FINISH),
-    release: Script::new(RELEASE),
-    renew: Script::new(RENEW),
+    claim: Script::new(CLAIM_SCRIPT),
+    finish: Script::new(FINISH_SCRIPT),
+    release: Script::new(RELEASE_SCRIPT),
+    renew: Script::new(RENEW_SCRIPT),
 });
 
 /// Records in Redis (standalone or Cluster), built on the `redis` crate's
@@ -93,13 +101,16 @@ static SCRIPTS: LazyLock<Scripts> = LazyLock::new(|| Scripts {
 ///
 /// * Each transition (claim, complete, release, fail, renew) is one Lua script run
 ///   with `EVALSHA` (loaded on `NOSCRIPT`): one round trip, atomic on the server.
-/// * A record is one hash at `{prefix}:{namespace}:{id}` holding state, claim token,
-///   attempt count and lease deadline, so it lives whole in one Cluster hash slot.
+/// * A record is one string at `{prefix}:{namespace}:{id}` holding state, attempt
+///   count, lease deadline and claim token, so it lives whole in one Cluster hash slot,
+///   and a claim on a fresh key is a single `SET NX PX` inside the script. Redis 6.0
+///   or newer.
 ///   Ids are binary-safe; ids over [`MAX_RAW_ID_LEN`] bytes are stored under their
 ///   SHA-256.
 /// * An in-progress record's lease deadline is kept in the record, measured on the
-///   server's clock; the record itself is kept for `max(lease, ttl)` from its claim,
-///   so the attempt count survives a consumer that died mid-handler. DONE and FAILED
+///   server's clock; the record itself is kept for
+///   [`claim_retention`](crate::claim_retention) from its claim, so the attempt count
+///   survives a consumer that died mid-handler. DONE and FAILED
 ///   records are kept for `ttl`.
 /// * The connection reconnects by itself: while Redis is down, calls fail with a
 ///   store error (the handler does not run) and succeed again once it is back,
@@ -174,6 +185,15 @@ impl RedisStore {
         RedisStore {
             connection: Connection::Cluster(connection),
             prefix: DEFAULT_PREFIX.into(),
+        }
+    }
+
+    /// The standalone connection, to send other commands over it (`None` for a
+    /// Cluster store).
+    pub fn connection_manager(&self) -> Option<&ConnectionManager> {
+        match &self.connection {
+            Connection::Standalone(manager) => Some(manager),
+            Connection::Cluster(_) => None,
         }
     }
 
@@ -262,7 +282,8 @@ impl Store for RedisStore {
     async fn claim(&self, key: &Key, lease: Duration, ttl: Duration) -> Result<Claim, StoreError> {
         let token = Token::random();
         let token_text = token.to_string();
-        let args: [&[u8]; 3] = [token_text.as_bytes(), &millis(lease), &millis(ttl)];
+        let retention = crate::claim_retention(lease, ttl);
+        let args: [&[u8]; 3] = [token_text.as_bytes(), &millis(lease), &millis(retention)];
         let (state, attempts): (String, u32) = self.invoke(&SCRIPTS.claim, key, &args).await?;
         match state.as_str() {
             "W" => Ok(Claim::Won {

@@ -94,8 +94,8 @@ pub enum Transition {
 ///
 /// Each transition after the claim applies only while the record holds the claim's
 /// token, and each must be atomic: two consumers claiming at once must not both win.
-/// A record is kept at least `max(lease, ttl)` from its last claim, so the attempt
-/// count survives a consumer that died mid-handler.
+/// A record is kept [`claim_retention`] from its last claim, so the attempt count
+/// survives a consumer that died mid-handler.
 ///
 /// The trait is object safe: `Arc<dyn Store>` is a `Store`. Implement it with
 /// [`macro@async_trait`](crate::async_trait), and check an implementation with the
@@ -144,6 +144,13 @@ pub trait Store: Send + Sync {
     fn abandon(&self, key: &Key, token: Token) {
         let _ = (key, token);
     }
+}
+
+/// How long a store keeps a record after a claim: the dedupe window, plus one lease
+/// past the claim's own lease, so the attempt count outlives a consumer that died
+/// holding the claim (even when `lease == ttl`). Every store uses this rule.
+pub fn claim_retention(lease: Duration, ttl: Duration) -> Duration {
+    ttl.max(lease) + lease
 }
 
 macro_rules! forward_store {

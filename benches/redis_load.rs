@@ -1,0 +1,235 @@
+//! Messages per second through `#[idempotent]` on a local Redis, against a
+//! hand-written `redis`-crate loop that runs the same two scripts per message, at
+//! concurrency 1 and 64 over one multiplexed connection; and the p99 latency of a
+//! claim against a plain `SET NX PX` on the same connection.
+//!
+//! `cargo bench --bench redis_load --features redis` (Redis at `REDIS_URL`, default
+//! `redis://127.0.0.1:6379`).
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, OnceLock};
+use std::time::{Duration, Instant};
+
+use idempotent::redis_store::{CLAIM_SCRIPT, FINISH_SCRIPT};
+use idempotent::{Key, RedisStore, Store, Token, idempotent};
+use redis::Script;
+use redis::aio::ConnectionManager;
+
+const LEASE: Duration = Duration::from_secs(30);
+const TTL: Duration = Duration::from_secs(60);
+const ROUNDS: usize = 5;
+
+static STORE: OnceLock<RedisStore> = OnceLock::new();
+static NEXT: AtomicU64 = AtomicU64::new(0);
+
+struct Msg {
+    id: u64,
+}
+
+#[derive(Debug, thiserror::Error, idempotent::Classify)]
+#[error("never")]
+#[idempotent(retryable)]
+struct Never;
+
+#[idempotent(key = "{id}", namespace = "bench", ttl = 60, lease = 30, store = STORE.get().unwrap())]
+async fn handler(msg: Msg) -> Result<u64, Never> {
+    Ok(msg.id)
+}
+
+/// The same protocol by hand: claim script, then finish script, same keys and args.
+async fn by_hand(conn: &mut ConnectionManager, run: u64, id: u64) -> u64 {
+    static CLAIM: OnceLock<Script> = OnceLock::new();
+    static FINISH: OnceLock<Script> = OnceLock::new();
+    let claim = CLAIM.get_or_init(|| Script::new(CLAIM_SCRIPT));
+    let finish = FINISH.get_or_init(|| Script::new(FINISH_SCRIPT));
+    let key = format!("idempotent:hand{run}:{id}");
+    let token = Token::random().to_string();
+    let retention = idempotent::claim_retention(LEASE, TTL)
+        .as_millis()
+        .to_string();
+    let (state, _): (String, u32) = claim
+        .key(&key)
+        .arg(&token)
+        .arg(LEASE.as_millis().to_string())
+        .arg(retention)
+        .invoke_async(conn)
+        .await
+        .expect("claim");
+    assert_eq!(state, "W");
+    let done: i64 = finish
+        .key(&key)
+        .arg(&token)
+        .arg("D")
+        .arg(TTL.as_millis().to_string())
+        .invoke_async(conn)
+        .await
+        .expect("finish");
+    assert_eq!(done, 1);
+    id
+}
+
+/// Runs `total` messages with `concurrency` workers; returns messages per second.
+async fn throughput<F, Fut>(concurrency: usize, total: u64, work: F) -> f64
+where
+    F: Fn(u64) -> Fut + Send + Sync + 'static,
+    Fut: std::future::Future<Output = ()> + Send,
+{
+    let work = Arc::new(work);
+    let counter = Arc::new(AtomicU64::new(0));
+    let start = Instant::now();
+    let workers: Vec<_> = (0..concurrency)
+        .map(|_| {
+            let (work, counter) = (work.clone(), counter.clone());
+            tokio::spawn(async move {
+                loop {
+                    let i = counter.fetch_add(1, Ordering::Relaxed);
+                    if i >= total {
+                        break;
+                    }
+                    work(i).await;
+                }
+            })
+        })
+        .collect();
+    for w in workers {
+        w.await.unwrap();
+    }
+    total as f64 / start.elapsed().as_secs_f64()
+}
+
+/// Per-call latencies of `op`, run by `concurrency` workers; returns the p99.
+async fn p99<F, Fut>(concurrency: usize, per_worker: usize, op: F) -> Duration
+where
+    F: Fn() -> Fut + Send + Sync + 'static,
+    Fut: std::future::Future<Output = ()> + Send,
+{
+    let op = Arc::new(op);
+    let workers: Vec<_> = (0..concurrency)
+        .map(|_| {
+            let op = op.clone();
+            tokio::spawn(async move {
+                let mut times = Vec::with_capacity(per_worker);
+                for _ in 0..per_worker {
+                    let start = Instant::now();
+                    op().await;
+                    times.push(start.elapsed());
+                }
+                times
+            })
+        })
+        .collect();
+    let mut all = Vec::new();
+    for w in workers {
+        all.extend(w.await.unwrap());
+    }
+    all.sort();
+    all[all.len() * 99 / 100]
+}
+
+fn median(mut xs: Vec<f64>) -> f64 {
+    xs.sort_by(f64::total_cmp);
+    xs[xs.len() / 2]
+}
+
+#[tokio::main(flavor = "multi_thread", worker_threads = 2)]
+async fn main() {
+    if std::env::args().any(|a| a == "--list" || a == "--test") {
+        return; // `cargo test --benches` probes bench binaries; nothing to list.
+    }
+    let url = std::env::var("REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".into());
+    let store = RedisStore::connect(url.as_str())
+        .await
+        .expect("a Redis to benchmark against");
+    STORE.set(store.clone()).unwrap();
+    // Keys unique to this run: earlier runs' records may still be within their ttl.
+    NEXT.store(
+        (Token::random().as_u128() as u64) & !((1 << 48) - 1),
+        Ordering::Relaxed,
+    );
+    // The hand-written loop and the SET NX baseline share the store's connection.
+    let conn = store
+        .connection_manager()
+        .expect("a standalone Redis")
+        .clone();
+
+    println!("| concurrency | #[idempotent] msg/s | hand-written msg/s | ratio |");
+    println!("| --- | --- | --- | --- |");
+    for (concurrency, total) in [(1usize, 5_000u64), (64, 40_000)] {
+        let (mut macro_rates, mut hand_rates) = (Vec::new(), Vec::new());
+        for round in 0..ROUNDS {
+            let base = NEXT.fetch_add(1 << 32, Ordering::Relaxed);
+            macro_rates.push(
+                throughput(concurrency, total, move |i| async move {
+                    let out = handler(Msg { id: base + i }).await.expect("processed");
+                    assert!(out.is_processed());
+                })
+                .await,
+            );
+            let run = round as u64 + (concurrency as u64) * 1000 + base;
+            let conn = conn.clone();
+            hand_rates.push(
+                throughput(concurrency, total, move |i| {
+                    let mut conn = conn.clone();
+                    async move {
+                        by_hand(&mut conn, run, i).await;
+                    }
+                })
+                .await,
+            );
+        }
+        let (m, h) = (median(macro_rates), median(hand_rates));
+        println!(
+            "| {concurrency} | {m:.0} | {h:.0} | {:.0}% |",
+            100.0 * m / h
+        );
+    }
+
+    println!();
+    println!("| concurrency | claim p99 | SET NX PX p99 | ratio |");
+    println!("| --- | --- | --- | --- |");
+    for (concurrency, per_worker) in [(1usize, 5_000usize), (64, 400)] {
+        let (mut claims, mut sets) = (Vec::new(), Vec::new());
+        for _ in 0..ROUNDS {
+            let store = store.clone();
+            claims.push(
+                p99(concurrency, per_worker, move || {
+                    let store = store.clone();
+                    async move {
+                        let id = NEXT.fetch_add(1, Ordering::Relaxed);
+                        let key = Key::new("bench-claim", id.to_string()).unwrap();
+                        store.claim(&key, LEASE, TTL).await.expect("claim");
+                    }
+                })
+                .await
+                .as_secs_f64(),
+            );
+            let conn = conn.clone();
+            sets.push(
+                p99(concurrency, per_worker, move || {
+                    let mut conn = conn.clone();
+                    async move {
+                        let id = NEXT.fetch_add(1, Ordering::Relaxed);
+                        let _: Option<String> = redis::cmd("SET")
+                            .arg(format!("idempotent:bench-set:{id}"))
+                            .arg(1)
+                            .arg("NX")
+                            .arg("PX")
+                            .arg(30_000)
+                            .query_async(&mut conn)
+                            .await
+                            .expect("SET");
+                    }
+                })
+                .await
+                .as_secs_f64(),
+            );
+        }
+        let (c, s) = (median(claims), median(sets));
+        println!(
+            "| {concurrency} | {:.0} µs | {:.0} µs | {:.2}× |",
+            c * 1e6,
+            s * 1e6,
+            c / s
+        );
+    }
+}
