@@ -21,6 +21,14 @@ struct Order {
 #[idempotent(retryable)]
 struct Never;
 
+/// A handler that counts its runs in `runs`.
+#[idempotent(key = "order:{order_id}", store = store)]
+async fn counted(msg: Order, store: &RedisStore, runs: &AtomicU32) -> Result<(), Never> {
+    let _ = msg;
+    runs.fetch_add(1, Ordering::SeqCst);
+    Ok(())
+}
+
 /// Retries `call` (as a broker redelivers) until it gives something other than a
 /// store error that says the handler did not run.
 async fn redeliver_until_store_answers<F, Fut>(mut call: F) -> Result<Outcome<()>, Error<Never>>
@@ -46,17 +54,12 @@ fn redis_killed_before_claim() {
     }
     let mut server = RedisServer::start();
     block_on(async {
-        static RUNS: AtomicU32 = AtomicU32::new(0);
-        #[idempotent(key = "order:{order_id}", store = store)]
-        async fn handle(msg: Order, store: &RedisStore) -> Result<(), Never> {
-            let _ = msg;
-            RUNS.fetch_add(1, Ordering::SeqCst);
-            Ok(())
-        }
-
+        let runs = AtomicU32::new(0);
         let store = RedisStore::connect(server.url()).await.unwrap();
         server.kill();
-        let err = handle(Order { order_id: 1 }, &store).await.unwrap_err();
+        let err = counted(Order { order_id: 1 }, &store, &runs)
+            .await
+            .unwrap_err();
         assert!(
             matches!(
                 err,
@@ -68,17 +71,15 @@ fn redis_killed_before_claim() {
             "{err}"
         );
         assert_eq!(err.disposition(), idempotent::Disposition::Retry);
-        assert_eq!(RUNS.load(Ordering::SeqCst), 0, "the handler must not run");
+        assert_eq!(runs.load(Ordering::SeqCst), 0, "the handler must not run");
 
         // The same store, not a new one: it reconnects by itself.
         server.restart();
-        let out = redeliver_until_store_answers(|| handle(Order { order_id: 1 }, &store)).await;
-        assert_eq!(out.unwrap(), Outcome::Processed(()));
-        assert_eq!(
-            handle(Order { order_id: 1 }, &store).await.unwrap(),
-            Outcome::Duplicate
-        );
-        assert_eq!(RUNS.load(Ordering::SeqCst), 1);
+        let out = redeliver_until_store_answers(|| counted(Order { order_id: 1 }, &store, &runs));
+        assert_eq!(out.await.unwrap(), Outcome::Processed(()));
+        let again = counted(Order { order_id: 1 }, &store, &runs).await;
+        assert_eq!(again.unwrap(), Outcome::Duplicate);
+        assert_eq!(runs.load(Ordering::SeqCst), 1);
     });
 }
 
@@ -188,29 +189,16 @@ fn scripts_are_reloaded_after_a_flush() {
     }
     let server = RedisServer::start();
     block_on(async {
-        static RUNS: AtomicU32 = AtomicU32::new(0);
-        #[idempotent(key = "order:{order_id}", store = store)]
-        async fn handle(msg: Order, store: &RedisStore) -> Result<(), Never> {
-            let _ = msg;
-            RUNS.fetch_add(1, Ordering::SeqCst);
-            Ok(())
-        }
-
+        let runs = AtomicU32::new(0);
         let store = RedisStore::connect(server.url()).await.unwrap();
-        assert_eq!(
-            handle(Order { order_id: 1 }, &store).await.unwrap(),
-            Outcome::Processed(())
-        );
+        let first = counted(Order { order_id: 1 }, &store, &runs).await;
+        assert_eq!(first.unwrap(), Outcome::Processed(()));
         // A restart or failover loses loaded scripts; EVALSHA then answers NOSCRIPT.
         assert!(server.cli(&["script", "flush"]).contains("OK"));
-        assert_eq!(
-            handle(Order { order_id: 2 }, &store).await.unwrap(),
-            Outcome::Processed(())
-        );
-        assert_eq!(
-            handle(Order { order_id: 2 }, &store).await.unwrap(),
-            Outcome::Duplicate
-        );
-        assert_eq!(RUNS.load(Ordering::SeqCst), 2);
+        let second = counted(Order { order_id: 2 }, &store, &runs).await;
+        assert_eq!(second.unwrap(), Outcome::Processed(()));
+        let again = counted(Order { order_id: 2 }, &store, &runs).await;
+        assert_eq!(again.unwrap(), Outcome::Duplicate);
+        assert_eq!(runs.load(Ordering::SeqCst), 2);
     });
 }
