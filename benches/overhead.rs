@@ -60,10 +60,11 @@ fn store(c: &mut Criterion) {
             async move {
                 let start = Instant::now();
                 for key in &keys {
-                    let Ok(Claim::Won { token, .. }) = store.claim(key, lease, ttl).await else {
+                    let Ok(Claim::Won { token, .. }) = store.claim(key, lease, ttl, None).await
+                    else {
                         panic!("fresh key")
                     };
-                    let _ = black_box(store.complete(key, token, ttl).await.unwrap());
+                    let _ = black_box(store.complete(key, token, ttl, None).await.unwrap());
                 }
                 start.elapsed()
             }

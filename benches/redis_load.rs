@@ -197,7 +197,7 @@ async fn main() {
                     async move {
                         let id = NEXT.fetch_add(1, Ordering::Relaxed);
                         let key = Key::new("bench-claim", id.to_string()).unwrap();
-                        store.claim(&key, LEASE, TTL).await.expect("claim");
+                        store.claim(&key, LEASE, TTL, None).await.expect("claim");
                     }
                 })
                 .await

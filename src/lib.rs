@@ -50,7 +50,7 @@
 //!
 //! | argument | meaning |
 //! | --- | --- |
-//! | `key = "order:{order_id}"` | Required unless `key_fn`. `{field}` / `{a.b.c}` read a field path of the message argument (checked at compile time, rendered with `Display`); `{arg}` / `{arg.field}` read another argument, `{self.field}` the receiver (a name that is an argument wins over a message field); `{{` and `}}` are literal braces. A placeholder that renders empty is an [`Error::Key`]. |
+//! | `key = "order:{order_id}"` | Required unless `key_fn`. `{field}` / `{a.b.c}` read a field path of the message argument (checked at compile time, rendered with `Display`); `{arg}` / `{arg.field}` read another argument, `{self.field}` the receiver (a name that is an argument wins over a message field); `{/order/id}` is an RFC 6901 pointer into the message's JSON [`Payload`] (parsed once per call; strings as they are, numbers canonically so `1` and `1.0` agree; missing, `null`, `""`, booleans, objects and arrays are key errors); `{{` and `}}` are literal braces. A placeholder that renders empty is an [`Error::Key`]. |
 //! | `key_fn = path` | `fn(&Message) -> impl Display`, replacing the template. |
 //! | `ttl = 600` | Dedupe window after completion: seconds, or a string with units (`"500ms"`, `"10m"`, `"24h"`, `"1h30m"`; units `ms s m h d`). Default 24 hours. |
 //! | `lease = 30` | How long a claim holds without renewal (renewed every third of it while the body runs). Same units. Default 30 s, or the ttl if shorter. Must be ≤ `ttl`. |
@@ -61,7 +61,8 @@
 //! | `on_terminal = path` | `async fn(TerminalEvent)` called on terminal failures instead of the process-wide [`AlertSink`] (default: a `tracing` error event). |
 //! | `classify = path` | `fn(&E) -> ErrorClass`, used instead of `E: Classify`. |
 //! | `crate = path` | Where this crate is, for crates that re-export it. |
-//! | `cache`, `validate` | Reserved: arrive with JSON payload support; `true` is a compile error for now. |
+//! | `validate = true` | Store a SHA-256 [`Fingerprint`] of the message's [`Payload`] with the claim; the same key with another payload is [`Error::PayloadMismatch`] and runs nothing. |
+//! | `cache = true` | Store the `Ok` value (serde JSON, at most 64 KiB) and return it to duplicates as [`Outcome::Replayed`]; a value that can't be stored is [`Error::Cache`] (the message is still recorded DONE). `cache` alone means `cache = true`. |
 //!
 //! Mistakes are compile errors pointing at the argument: unknown or repeated
 //! arguments, `ttl = 0`, `lease` > `ttl`, a template without placeholders, a field the
@@ -158,14 +159,17 @@ pub use idempotent_macros::idempotent;
 pub use idempotent_macros::Classify;
 
 pub use idempotent_runtime::{
-    AlertSink, AlreadySet, Claim, Classify, DefaultStore, Disposition, DispositionExt, Error,
-    ErrorClass, Key, KeyBuilder, KeyError, MAX_KEY_LEN, MemoryStore, Outcome, Store, StoreError,
-    TerminalEvent, Token, Transition, alert, async_trait, claim_retention, default_store,
-    set_alert_sink, set_default_store,
+    AlertSink, AlreadySet, Claim, Classify, DefaultStore, Disposition, DispositionExt, Document,
+    Error, ErrorClass, Fingerprint, Key, KeyBuilder, KeyError, MAX_KEY_LEN, MemoryStore, Outcome,
+    Payload, PayloadRef, Store, StoreError, TerminalEvent, Token, Transition, Unusable, alert,
+    async_trait, claim_retention, default_store, set_alert_sink, set_default_store,
 };
 
 #[cfg(feature = "testing")]
 pub use idempotent_runtime::{store_suite, testing};
+
+/// Re-exported for `Payload` messages and `cache = true` values.
+pub use idempotent_runtime::serde_json;
 
 #[cfg(feature = "redis")]
 pub use idempotent_runtime::{RedisStore, redis_store};
@@ -175,6 +179,6 @@ pub use idempotent_runtime::{RedisStore, redis_store};
 #[doc(hidden)]
 pub mod __private {
     pub use idempotent_runtime::alert::process_sink;
-    pub use idempotent_runtime::execute::{HandlerResult, Spec, run, run_infallible};
-    pub use idempotent_runtime::{AsStore, DefaultStore, KeyBuilder};
+    pub use idempotent_runtime::execute::{Call, HandlerResult, Spec, run, run_infallible};
+    pub use idempotent_runtime::{AsStore, DefaultStore, Document, Fingerprint, KeyBuilder};
 }

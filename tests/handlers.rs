@@ -106,7 +106,7 @@ async fn methods_read_self_and_other_arguments() {
     assert_eq!(c.handle(&order(5)).await.unwrap(), Outcome::Processed(5));
     assert_eq!(c.handle(&order(5)).await.unwrap(), Outcome::Duplicate);
     let key = idempotent::Key::new("orders", "acme/5").unwrap();
-    let claim = idempotent::Store::claim(&*c.store, &key, LEASE, LEASE)
+    let claim = idempotent::Store::claim(&*c.store, &key, LEASE, LEASE, None)
         .await
         .unwrap();
     assert_eq!(

@@ -72,10 +72,10 @@ fn two_consumers_race_through_cluster() {
                             (store.clone(), runs.clone(), namespace.clone());
                         tokio::spawn(async move {
                             let key = Key::new(&namespace, format!("order:{i}")).unwrap();
+                            let spec = idempotent::__private::Spec::default();
                             idempotent::__private::run(
-                                idempotent::__private::Spec::default(),
+                                idempotent::__private::Call::new(spec, Ok(key)),
                                 &*store,
-                                Ok(key),
                                 |_: &std::io::Error| idempotent::ErrorClass::Retryable,
                                 idempotent::__private::process_sink,
                                 async {
@@ -133,15 +133,16 @@ fn awkward_keys_are_distinct_and_deduplicated() {
             .collect();
         let (lease, ttl) = (testing::LEASE, testing::TTL);
         for (i, key) in keys.iter().enumerate() {
-            let Claim::Won { token, attempt: 1 } = store.claim(key, lease, ttl).await.unwrap()
+            let Claim::Won { token, attempt: 1 } =
+                store.claim(key, lease, ttl, None).await.unwrap()
             else {
                 panic!("key {i} ({key}) collided with an earlier one")
             };
-            let _ = store.complete(key, token, ttl).await.unwrap();
+            let _ = store.complete(key, token, ttl, None).await.unwrap();
         }
         for key in &keys {
             assert_eq!(
-                store.claim(key, lease, ttl).await.unwrap(),
+                store.claim(key, lease, ttl, None).await.unwrap(),
                 Claim::Done,
                 "{key}"
             );

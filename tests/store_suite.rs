@@ -13,9 +13,8 @@ fn memory_store_releases_a_dropped_future_at_once() {
         let started = tokio::sync::Notify::new();
         let spec = idempotent_spec();
         let handler = idempotent::__private::run(
-            spec,
+            idempotent::__private::Call::new(spec, Ok(key.clone())),
             &store,
-            Ok(key.clone()),
             |_: &std::convert::Infallible| unreachable!(),
             idempotent::__private::process_sink,
             async {
@@ -28,7 +27,7 @@ fn memory_store_releases_a_dropped_future_at_once() {
             _ = started.notified() => {}
         }
         let claim = store
-            .claim(&key, testing::LEASE, testing::TTL)
+            .claim(&key, testing::LEASE, testing::TTL, None)
             .await
             .unwrap();
         assert!(matches!(claim, Claim::Won { attempt: 2, .. }), "{claim:?}");

@@ -88,6 +88,8 @@ pub struct Args {
     pub on_terminal: Once<Path>,
     pub classify: Once<Path>,
     pub krate: Once<Path>,
+    pub cache: Once<bool>,
+    pub validate: Once<bool>,
     /// `key` or `key_fn` was written, valid or not: no "missing key" error then.
     pub key_written: bool,
 }
@@ -214,16 +216,31 @@ impl Args {
                 slot.set(&name, path, errors);
             }
             "cache" | "validate" => {
-                let expr: Expr = meta.value()?.parse()?;
-                match &expr {
-                    Expr::Lit(syn::ExprLit { lit: Lit::Bool(LitBool { value: false, .. }), .. }) => {}
-                    Expr::Lit(syn::ExprLit { lit: Lit::Bool(LitBool { value: true, .. }), .. }) => {
-                        errors.at(
-                            name.span(),
-                            format_args!("`{name}` is not supported yet: it arrives with JSON payload support; remove it for now"),
-                        )
+                // `cache` alone means `cache = true`.
+                let value = if meta.input.peek(syn::Token![=]) {
+                    match meta.value()?.parse::<Expr>()? {
+                        Expr::Lit(syn::ExprLit {
+                            lit: Lit::Bool(LitBool { value, .. }),
+                            ..
+                        }) => Some(value),
+                        other => {
+                            errors.at(
+                                other.span(),
+                                format_args!("`{name}` takes `true` or `false`"),
+                            );
+                            None
+                        }
                     }
-                    other => errors.at(other.span(), format_args!("`{name}` takes `true` or `false`")),
+                } else {
+                    Some(true)
+                };
+                if let Some(value) = value {
+                    let slot = if name == "cache" {
+                        &mut self.cache
+                    } else {
+                        &mut self.validate
+                    };
+                    slot.set(&name, value, errors);
                 }
             }
             _ => {

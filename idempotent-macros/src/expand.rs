@@ -71,12 +71,19 @@ struct Handler {
     classify: Option<syn::Path>,
     on_terminal: Option<syn::Path>,
     key: Vec<KeyPart>,
+    /// The message, when `{/json/pointer}` placeholders read its payload.
+    document: Option<TokenStream>,
+    /// `validate = true`: the fingerprint expression's message, with the argument's span.
+    validate: Option<(TokenStream, Span)>,
+    /// `cache = true`, with the argument's span.
+    cache: Option<Span>,
     returns: Returns,
 }
 
 enum KeyPart {
     Text(String),
     Field(Access),
+    Pointer(String),
 }
 
 impl Handler {
@@ -172,6 +179,7 @@ impl Handler {
 
         // Key: a template or a function, not both.
         let mut key = Vec::new();
+        let mut document = None;
         let mut needs_message = false;
         match (args.key.take(), args.key_fn.take()) {
             (Some(_), Some(path)) => errors.at(
@@ -189,6 +197,15 @@ impl Handler {
                     for segment in segments {
                         match segment {
                             Segment::Text(text) => key.push(KeyPart::Text(text)),
+                            Segment::Pointer(pointer) => match &message {
+                                Some(msg) => {
+                                    let located = msg.span().located_at(lit.span());
+                                    let msg = Ident::new(&msg.to_string(), located);
+                                    document = Some(quote_spanned!(lit.span()=> &#msg));
+                                    key.push(KeyPart::Pointer(pointer));
+                                }
+                                None => needs_message = true,
+                            },
                             Segment::Placeholder(parts) => {
                                 match resolve(&parts, &lit, has_receiver, &named, message.as_ref())
                                 {
@@ -211,6 +228,21 @@ impl Handler {
                 None => needs_message = true,
             },
         }
+        let validate = match (args.validate.get(), args.validate.span(), &message) {
+            (Some(true), Some(span), Some(msg)) => {
+                let msg = Ident::new(&msg.to_string(), msg.span().located_at(span));
+                Some((quote_spanned!(span=> &#msg), span))
+            }
+            (Some(true), _, None) => {
+                needs_message = true;
+                None
+            }
+            _ => None,
+        };
+        let cache = args
+            .cache
+            .span()
+            .filter(|_| args.cache.get() == Some(&true));
         if needs_message && !message_rejected {
             if let Some(e) = no_message.take() {
                 errors.push(e);
@@ -283,6 +315,9 @@ impl Handler {
             classify: args.classify.take(),
             on_terminal: args.on_terminal.take(),
             key,
+            document,
+            validate,
+            cache,
             returns,
         })
     }
@@ -300,16 +335,27 @@ impl Handler {
         let key_var = Ident::new("__idempotent_key", Span::mixed_site());
         let store_var = Ident::new("__idempotent_store", Span::mixed_site());
 
+        let payload_var = Ident::new("__idempotent_payload", Span::mixed_site());
         let parts = self.key.iter().map(|part| match part {
             KeyPart::Text(text) => quote!(#key_var.text(#text);),
             KeyPart::Field(Access { label, expr }) => {
                 quote_spanned!(expr.span()=> #key_var.field(#label, &#expr);)
             }
+            KeyPart::Pointer(pointer) => quote!(#key_var.pointer(#pointer, &#payload_var);),
+        });
+        // The payload is parsed once, for all pointers, and dropped with the block.
+        let document = self.document.as_ref().map(|msg| {
+            let private = respan(private.clone(), msg.span());
+            let parse = quote_spanned!(msg.span()=> #private::Document::of(#msg));
+            quote!(let #payload_var = #parse;)
         });
         let build_key = quote! {
-            let mut #key_var = #private::KeyBuilder::new(#namespace);
-            #(#parts)*
-            let #key_var = #key_var.finish();
+            let #key_var = {
+                #document
+                let mut #key_var = #private::KeyBuilder::new(#namespace);
+                #(#parts)*
+                #key_var.finish()
+            };
         };
         let store = match &self.store {
             Some(expr) => {
@@ -332,6 +378,16 @@ impl Handler {
             )
         };
 
+        let validated = self
+            .validate
+            .as_ref()
+            .map(|(msg, span)| quote_spanned!(*span=> .validated(#private::Fingerprint::of(#msg))));
+        let cached = self.cache.map(|span| quote_spanned!(span=> .cached()));
+        let call_var = Ident::new("__idempotent_call", Span::mixed_site());
+        let build_call = quote! {
+            let #call_var = #private::Call::new(#spec, #key_var) #validated #cached;
+        };
+
         let body = body_block(&func);
         let (output, call) = match &self.returns {
             Returns::Fallible { ok, err } => {
@@ -346,19 +402,20 @@ impl Handler {
                 (
                     quote!(::core::result::Result<#krate::Outcome<#ok>, #krate::Error<#err>>),
                     quote! {
-                        #private::run(#spec, #store_var, #key_var, #classify, #on_terminal, #body).await
+                        #private::run(#call_var, #store_var, #classify, #on_terminal, #body).await
                     },
                 )
             }
             Returns::Infallible { ok } => (
                 quote!(::core::result::Result<#krate::Outcome<#ok>, #krate::Error<::core::convert::Infallible>>),
-                quote!(#private::run_infallible(#spec, #store_var, #key_var, #body).await),
+                quote!(#private::run_infallible(#call_var, #store_var, #body).await),
             ),
         };
 
         func.sig.output = parse_quote!(-> #output);
         let new_body = quote!({
             #build_key
+            #build_call
             #store
             #call
         });
@@ -501,6 +558,24 @@ fn resolve(
     let members = members(rest)?;
     let expr = quote!(#base #(.#members)*);
     Ok(Some(Access { label, expr }))
+}
+
+/// `tokens` with every span set to `span`, so rustc reports errors in them there.
+fn respan(tokens: TokenStream, span: Span) -> TokenStream {
+    tokens
+        .into_iter()
+        .map(|mut token| {
+            if let proc_macro2::TokenTree::Group(group) = &token {
+                let mut inner =
+                    proc_macro2::Group::new(group.delimiter(), respan(group.stream(), span));
+                inner.set_span(span);
+                token = proc_macro2::TokenTree::Group(inner);
+            } else {
+                token.set_span(span);
+            }
+            token
+        })
+        .collect()
 }
 
 /// `90000` → `"90s"`, for messages.

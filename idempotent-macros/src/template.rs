@@ -9,6 +9,8 @@ pub enum Segment {
     Text(String),
     /// `{a.b.c}`: the path's parts, as written.
     Placeholder(Vec<String>),
+    /// `{/a/b}`: an RFC 6901 JSON pointer into the message's payload.
+    Pointer(String),
 }
 
 /// Splits a template into text and placeholders. Errors point at the literal and say
@@ -47,7 +49,12 @@ pub fn parse(lit: &LitStr) -> syn::Result<Vec<Segment>> {
                 if !text.is_empty() {
                     segments.push(Segment::Text(std::mem::take(&mut text)));
                 }
-                segments.push(Segment::Placeholder(placeholder(inner).map_err(err)?));
+                let segment = if inner.starts_with('/') {
+                    Segment::Pointer(pointer(inner).map_err(err)?)
+                } else {
+                    Segment::Placeholder(placeholder(inner).map_err(err)?)
+                };
+                segments.push(segment);
             }
             c => text.push(c),
         }
@@ -55,10 +62,7 @@ pub fn parse(lit: &LitStr) -> syn::Result<Vec<Segment>> {
     if !text.is_empty() {
         segments.push(Segment::Text(text));
     }
-    if !segments
-        .iter()
-        .any(|s| matches!(s, Segment::Placeholder(_)))
-    {
+    if !segments.iter().any(|s| !matches!(s, Segment::Text(_))) {
         return Err(err(format!(
             "key template `{source}` has no placeholder, so every message would share one key: \
              add one, e.g. `\"{source}{{order_id}}\"`, or use `key_fn = ...`"
@@ -74,12 +78,6 @@ fn placeholder(inner: &str) -> Result<Vec<String>, String> {
                     e.g. `{order_id}`, or another argument, e.g. `{tenant}`"
                 .to_owned(),
         );
-    }
-    if inner.starts_with('/') {
-        return Err(format!(
-            "JSON pointer placeholders such as `{{{inner}}}` are not supported yet: they arrive \
-             with JSON payload support; use a field placeholder such as `{{order_id}}`"
-        ));
     }
     let parts: Vec<String> = inner.split('.').map(str::to_owned).collect();
     let valid = |p: &String| {
@@ -98,6 +96,26 @@ fn placeholder(inner: &str) -> Result<Vec<String>, String> {
         ));
     }
     Ok(parts)
+}
+
+/// Checks an RFC 6901 pointer: `~` only as `~0` (for `~`) or `~1` (for `/`).
+fn pointer(inner: &str) -> Result<String, String> {
+    let mut chars = inner.chars();
+    while let Some(c) = chars.next() {
+        if c == '~' && !matches!(chars.next(), Some('0' | '1')) {
+            return Err(format!(
+                "`{{{inner}}}` is not a valid JSON pointer: `~` must be followed by `0` (for a \
+                 literal `~`) or `1` (for a literal `/`)"
+            ));
+        }
+    }
+    if inner.contains("//") || inner.ends_with('/') {
+        return Err(format!(
+            "`{{{inner}}}` names an empty JSON member: write `{{/order/id}}`, one `/` before \
+             each member"
+        ));
+    }
+    Ok(inner.to_owned())
 }
 
 #[cfg(test)]
@@ -126,6 +144,19 @@ mod tests {
     }
 
     #[test]
+    fn pointers() {
+        assert_eq!(
+            segments("k:{/order/id}-{/a~1b/~0c}").unwrap(),
+            vec![
+                Segment::Text("k:".into()),
+                Segment::Pointer("/order/id".into()),
+                Segment::Text("-".into()),
+                Segment::Pointer("/a~1b/~0c".into()),
+            ]
+        );
+    }
+
+    #[test]
     fn mistakes() {
         assert!(segments("order").unwrap_err().contains("no placeholder"));
         assert!(
@@ -137,9 +168,14 @@ mod tests {
         assert!(segments("a{b").unwrap_err().contains("unclosed"));
         assert!(segments("a}b{c}").unwrap_err().contains("unmatched"));
         assert!(
-            segments("{/a/b}")
+            segments("{/a~2b}")
                 .unwrap_err()
-                .contains("not supported yet")
+                .contains("not a valid JSON pointer")
+        );
+        assert!(
+            segments("{/a//b}")
+                .unwrap_err()
+                .contains("empty JSON member")
         );
         assert!(segments("{ a }").unwrap_err().contains("not a field path"));
         assert!(segments("{a..b}").unwrap_err().contains("not a field path"));

@@ -72,11 +72,19 @@ pub enum Error<E> {
     /// The key was seen before with a different payload (only with `validate = true`).
     /// The handler did not run.
     PayloadMismatch,
+    /// `cache = true` could not store the handler's value (too large, or not
+    /// serializable), or a duplicate's stored value could not be read back as `T`.
+    /// The message's effect is recorded DONE either way: ack it.
+    Cache {
+        /// What went wrong.
+        reason: String,
+    },
 }
 
 impl<E> Error<E> {
     /// Whether a redelivery may succeed: retryable handler errors, panics, store
-    /// errors and lost leases.
+    /// errors and lost leases. ([`Error::Cache`] is neither retryable nor terminal:
+    /// the message took effect.)
     pub fn is_retryable(&self) -> bool {
         self.disposition() == Disposition::Retry
     }
@@ -94,6 +102,7 @@ impl<E> Error<E> {
             | Error::Panicked { .. }
             | Error::Store { .. }
             | Error::LeaseLost { .. } => Disposition::Retry,
+            Error::Cache { .. } => Disposition::Ack,
             Error::Terminal { .. }
             | Error::Abandoned { .. }
             | Error::PreviouslyFailed { .. }
@@ -191,6 +200,7 @@ impl<E: fmt::Display> fmt::Display for Error<E> {
             Error::PayloadMismatch => {
                 write!(f, "key was seen before with a different payload")
             }
+            Error::Cache { reason } => write!(f, "message processed and recorded; {reason}"),
         }
     }
 }
@@ -230,6 +240,22 @@ pub enum KeyError {
     /// The key's id part is empty.
     #[error("key is empty")]
     Empty,
+    /// A `{/json/pointer}` placeholder's message is not JSON.
+    #[error("`{{{pointer}}}` can't be read: the payload is not JSON ({reason})")]
+    NotJson {
+        /// The pointer as written.
+        pointer: &'static str,
+        /// The parser's complaint.
+        reason: String,
+    },
+    /// A `{/json/pointer}` placeholder found nothing usable as a key part.
+    #[error("`{{{pointer}}}` can't be a key part: {why}")]
+    Pointer {
+        /// The pointer as written.
+        pointer: &'static str,
+        /// What was (or was not) there.
+        why: crate::payload::Unusable,
+    },
     /// The namespace is empty or contains `:`.
     #[error("namespace `{namespace}` must be non-empty and must not contain `:`")]
     InvalidNamespace {

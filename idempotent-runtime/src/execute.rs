@@ -9,7 +9,9 @@ use std::time::Duration;
 use futures_util::FutureExt as _;
 
 use crate::alert::TerminalEvent;
-use crate::{Claim, Error, ErrorClass, Key, KeyError, Outcome, Store, Token, Transition};
+use crate::{
+    Claim, Error, ErrorClass, Fingerprint, Key, KeyError, Outcome, Store, Token, Transition,
+};
 
 /// The attempt cap when `max_attempts` is not given.
 pub const DEFAULT_MAX_ATTEMPTS: u32 = 5;
@@ -70,27 +72,138 @@ impl Default for Spec {
     }
 }
 
+/// The largest result `cache = true` stores, in bytes of JSON: 64 KiB. A larger
+/// result is not cached (nor truncated): the call returns [`Error::Cache`].
+pub const MAX_CACHED_RESULT: usize = 64 * 1024;
+
+/// One delivery: the handler's settings, the rendered key, and what `validate` and
+/// `cache` add. The `#[idempotent]` expansion builds it.
+pub struct Call<C = NoCache> {
+    spec: Spec,
+    key: Result<Key, KeyError>,
+    fingerprint: Option<Fingerprint>,
+    cache: C,
+}
+
+impl Call {
+    /// A delivery whose key is `key`, run with `spec`.
+    pub fn new(spec: Spec, key: Result<Key, KeyError>) -> Call {
+        Call {
+            spec,
+            key,
+            fingerprint: None,
+            cache: NoCache,
+        }
+    }
+}
+
+impl<C> Call<C> {
+    /// Stores `fingerprint` with the claim; a record holding another one makes the call
+    /// [`Error::PayloadMismatch`] (`validate = true`).
+    pub fn validated(mut self, fingerprint: Fingerprint) -> Call<C> {
+        self.fingerprint = Some(fingerprint);
+        self
+    }
+
+    /// Stores the handler's `Ok` value, a `T`, as JSON and returns it to duplicates
+    /// as [`Outcome::Replayed`] (`cache = true`).
+    pub fn cached<T>(self) -> Call<JsonCache<T>>
+    where
+        T: serde::Serialize + serde::de::DeserializeOwned,
+    {
+        let Call {
+            spec,
+            key,
+            fingerprint,
+            ..
+        } = self;
+        let cache = JsonCache {
+            encode: encode_json::<T>,
+            decode: decode_json::<T>,
+        };
+        Call {
+            spec,
+            key,
+            fingerprint,
+            cache,
+        }
+    }
+}
+
+/// How a handler's `Ok` value is kept for duplicates.
+pub trait ResultCache<T> {
+    /// The bytes to store, `Ok(None)` for none, or why the value can't be stored.
+    fn encode(&self, value: &T) -> Result<Option<Vec<u8>>, String>;
+    /// The value back from stored bytes; `None` when this handler does not cache.
+    fn decode(&self, bytes: &[u8]) -> Option<Result<T, String>>;
+}
+
+/// Keeps nothing: duplicates are [`Outcome::Duplicate`].
+#[derive(Debug, Clone, Copy, Default)]
+pub struct NoCache;
+
+impl<T> ResultCache<T> for NoCache {
+    fn encode(&self, _: &T) -> Result<Option<Vec<u8>>, String> {
+        Ok(None)
+    }
+    fn decode(&self, _: &[u8]) -> Option<Result<T, String>> {
+        None
+    }
+}
+
+/// Keeps the value as JSON (`serde_json`), up to [`MAX_CACHED_RESULT`] bytes. Built by
+/// [`Call::cached`], which is where `T`'s serde bounds are checked.
+pub struct JsonCache<T> {
+    encode: fn(&T) -> Result<Option<Vec<u8>>, String>,
+    decode: fn(&[u8]) -> Result<T, String>,
+}
+
+impl<T> ResultCache<T> for JsonCache<T> {
+    fn encode(&self, value: &T) -> Result<Option<Vec<u8>>, String> {
+        (self.encode)(value)
+    }
+    fn decode(&self, bytes: &[u8]) -> Option<Result<T, String>> {
+        Some((self.decode)(bytes))
+    }
+}
+
+fn encode_json<T: serde::Serialize>(value: &T) -> Result<Option<Vec<u8>>, String> {
+    let bytes = serde_json::to_vec(value).map_err(|e| format!("result not cached: {e}"))?;
+    if bytes.len() > MAX_CACHED_RESULT {
+        return Err(format!(
+            "result not cached: {} bytes of JSON, over the {MAX_CACHED_RESULT}-byte limit",
+            bytes.len()
+        ));
+    }
+    Ok(Some(bytes))
+}
+
+fn decode_json<T: serde::de::DeserializeOwned>(bytes: &[u8]) -> Result<T, String> {
+    serde_json::from_slice(bytes).map_err(|e| format!("cached result unreadable: {e}"))
+}
+
 /// Runs `body` at most once per key.
 ///
-/// 1. `key` is the rendered key; an error returns [`Error::Key`] and runs nothing.
-/// 2. Claims the key in `store`: a duplicate, a live claim elsewhere or a key that
-///    failed before returns without running `body`.
+/// 1. The call's key is rendered; a key error returns [`Error::Key`] and runs nothing.
+/// 2. Claims the key in `store`: a duplicate (replayed with `cache`), a live claim
+///    elsewhere, a key that failed before or another payload under the same key
+///    (with `validate`) returns without running `body`.
 /// 3. Runs `body` while renewing the lease every third of `spec.lease()`. A panic is
 ///    caught and the key released. If this future is dropped mid-way, the store's
 ///    [`abandon`](Store::abandon) releases the key (or its lease runs out).
-/// 4. Records the result: DONE on `Ok`; released on a retryable error before the
-///    last attempt; FAILED, plus `on_terminal`, on a terminal error or the last
-///    attempt.
+/// 4. Records the result: DONE (with the value, under `cache`) on `Ok`; released on a
+///    retryable error before the last attempt; FAILED, plus `on_terminal`, on a
+///    terminal error or the last attempt.
 ///
 /// ```
 /// # #[tokio::main(flavor = "current_thread")] async fn main() {
-/// use idempotent_runtime::execute::{run, Spec};
-/// use idempotent_runtime::{alert, Classify, Key, MemoryStore, Outcome};
+/// use idempotent_runtime::execute::{Call, Spec, run};
+/// use idempotent_runtime::{Classify, Key, MemoryStore, Outcome, alert};
 ///
 /// let store = MemoryStore::new();
 /// let handle = || async {
-///     let key = Key::new("orders", "42");
-///     run(Spec::default(), &store, key, std::io::Error::class, alert::process_sink, async {
+///     let call = Call::new(Spec::default(), Key::new("orders", "42"));
+///     run(call, &store, std::io::Error::class, alert::process_sink, async {
 ///         Ok::<_, std::io::Error>("charged")
 ///     })
 ///     .await
@@ -99,27 +212,43 @@ impl Default for Spec {
 /// assert_eq!(handle().await.unwrap(), Outcome::Duplicate);
 /// # }
 /// ```
-pub async fn run<S, T, E, C, H, HF, F>(
-    spec: Spec,
+pub async fn run<S, R, T, E, C, H, HF, F>(
+    call: Call<R>,
     store: &S,
-    key: Result<Key, KeyError>,
     classify: C,
     on_terminal: H,
     body: F,
 ) -> Result<Outcome<T>, Error<E>>
 where
     S: Store + ?Sized,
+    R: ResultCache<T>,
     E: Display,
     C: FnOnce(&E) -> ErrorClass,
     H: FnOnce(TerminalEvent) -> HF,
     HF: Future<Output = ()>,
     F: Future<Output = Result<T, E>>,
 {
+    let Call {
+        spec,
+        key,
+        fingerprint,
+        cache,
+    } = call;
     let key = key.map_err(Error::Key)?;
-    let answer = store.claim(&key, spec.lease, spec.ttl).await;
+    let answer = store
+        .claim(&key, spec.lease, spec.ttl, fingerprint.as_ref())
+        .await;
     let (token, attempt) = match answer {
         Ok(Claim::Won { token, attempt }) => (token, attempt),
         Ok(Claim::Done) => return Ok(Outcome::Duplicate),
+        Ok(Claim::Cached(bytes)) => {
+            return match cache.decode(&bytes) {
+                None => Ok(Outcome::Duplicate),
+                Some(Ok(value)) => Ok(Outcome::Replayed(value)),
+                Some(Err(reason)) => Err(Error::Cache { reason }),
+            };
+        }
+        Ok(Claim::Mismatch) => return Err(Error::PayloadMismatch),
         Ok(Claim::InProgress) => return Ok(Outcome::InProgress),
         Ok(Claim::Failed { attempts }) => return Err(Error::PreviouslyFailed { attempts }),
         Err(error) => {
@@ -160,14 +289,23 @@ where
     abandon.disarm();
 
     match finished {
-        Ok(Ok(value)) => match store.complete(&key, token, spec.ttl).await {
-            Ok(Transition::Applied) => Ok(Outcome::Processed(value)),
-            Ok(Transition::LeaseLost) => Err(Error::LeaseLost { attempt }),
-            Err(error) => Err(Error::Store {
-                error,
-                handler_ran: true,
-            }),
-        },
+        Ok(Ok(value)) => {
+            // A value that can't be cached is still recorded DONE: its effect happened.
+            let encoded = catch_unwind(AssertUnwindSafe(|| cache.encode(&value)))
+                .unwrap_or_else(|_| Err("result not cached: serializing it panicked".to_owned()));
+            let stored = encoded.as_ref().ok().and_then(Option::as_deref);
+            match store.complete(&key, token, spec.ttl, stored).await {
+                Ok(Transition::Applied) => match encoded {
+                    Ok(_) => Ok(Outcome::Processed(value)),
+                    Err(reason) => Err(Error::Cache { reason }),
+                },
+                Ok(Transition::LeaseLost) => Err(Error::LeaseLost { attempt }),
+                Err(error) => Err(Error::Store {
+                    error,
+                    handler_ran: true,
+                }),
+            }
+        }
         Ok(Err(error)) => {
             // User code (classify, Display, the hook) runs outside the body's
             // catch_unwind: a panic in it must not leave the claim dangling.
@@ -210,21 +348,20 @@ impl<T, E> HandlerResult for Result<T, E> {
 }
 
 /// [`run`] for a handler that cannot fail.
-pub async fn run_infallible<S, T, F>(
-    spec: Spec,
+pub async fn run_infallible<S, R, T, F>(
+    call: Call<R>,
     store: &S,
-    key: Result<Key, KeyError>,
     body: F,
 ) -> Result<Outcome<T>, Error<std::convert::Infallible>>
 where
     S: Store + ?Sized,
+    R: ResultCache<T>,
     F: Future<Output = T>,
 {
     let body = body.map(Ok);
     run(
-        spec,
+        call,
         store,
-        key,
         |e| match *e {},
         crate::alert::process_sink,
         body,

@@ -3,6 +3,7 @@
 use std::fmt::{self, Display, Write as _};
 
 use crate::KeyError;
+use crate::payload::{Document, render};
 
 /// The longest key accepted, in bytes, namespace and separator included: 64 KiB.
 /// Longer keys are a [`KeyError::TooLong`]; stores with tighter limits hash
@@ -135,6 +136,25 @@ impl KeyBuilder {
         if self.buf.len() == before && self.error.is_none() {
             self.error = Some(KeyError::EmptyPlaceholder { placeholder });
         }
+    }
+
+    /// Appends the value at a JSON `pointer` (RFC 6901) of `document`: a string as it
+    /// is, a number canonically (`1` and `1.0` both render `1`). A payload that is not
+    /// JSON, or a pointer to nothing, `null`, `""`, a boolean, an object or an array,
+    /// makes the key fail: the handler does not run and the message is dead-lettered.
+    pub fn pointer(&mut self, pointer: &'static str, document: &Document<'_>) {
+        if self.error.is_some() {
+            return;
+        }
+        self.error = match document.value() {
+            Err(reason) => Some(KeyError::NotJson {
+                pointer,
+                reason: reason.to_owned(),
+            }),
+            Ok(value) => render(value, pointer, &mut self.buf)
+                .err()
+                .map(|why| KeyError::Pointer { pointer, why }),
+        };
     }
 
     /// The key, or the first error met while rendering it.

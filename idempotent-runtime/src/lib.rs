@@ -21,6 +21,7 @@ pub mod execute;
 mod key;
 mod memory;
 mod outcome;
+mod payload;
 #[cfg(feature = "redis")]
 pub mod redis_store;
 mod store;
@@ -33,6 +34,7 @@ pub use error::{Error, KeyError, StoreError};
 pub use key::{Key, KeyBuilder, MAX_KEY_LEN};
 pub use memory::MemoryStore;
 pub use outcome::{Disposition, DispositionExt, Outcome};
+pub use payload::{Document, Fingerprint, Payload, PayloadRef, Unusable};
 #[cfg(feature = "redis")]
 pub use redis_store::RedisStore;
 pub use store::{
@@ -43,3 +45,6 @@ pub use store::{
 /// Re-exported so that hand-written [`Store`] implementations can use
 /// `#[idempotent::async_trait]` without adding the dependency themselves.
 pub use async_trait::async_trait;
+
+/// The JSON crate payloads and cached results go through.
+pub use serde_json;

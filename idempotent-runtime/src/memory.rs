@@ -8,7 +8,7 @@ use async_trait::async_trait;
 use parking_lot::Mutex;
 use tokio::time::Instant;
 
-use crate::{Claim, Key, Store, StoreError, Token, Transition, claim_retention};
+use crate::{Claim, Fingerprint, Key, Store, StoreError, Token, Transition, claim_retention};
 
 const SHARDS: usize = 64;
 /// A shard drops its expired records after this many writes...
@@ -35,9 +35,9 @@ const SWEEP_EVERY: Duration = Duration::from_secs(1);
 /// let key = Key::new("orders", "42").unwrap();
 /// let lease = Duration::from_secs(30);
 /// let ttl = Duration::from_secs(600);
-/// let Claim::Won { token, .. } = store.claim(&key, lease, ttl).await.unwrap() else { panic!() };
-/// let _ = store.complete(&key, token, ttl).await.unwrap();
-/// assert_eq!(store.claim(&key, lease, ttl).await.unwrap(), Claim::Done);
+/// let Claim::Won { token, .. } = store.claim(&key, lease, ttl, None).await.unwrap() else { panic!() };
+/// let _ = store.complete(&key, token, ttl, None).await.unwrap();
+/// assert_eq!(store.claim(&key, lease, ttl, None).await.unwrap(), Claim::Done);
 /// # }
 /// ```
 pub struct MemoryStore {
@@ -55,12 +55,17 @@ struct Record {
     state: State,
     attempts: u32,
     expires_at: Instant,
+    fingerprint: Option<Fingerprint>,
 }
 
 enum State {
-    InProgress { token: Token, lease_until: Instant },
+    InProgress {
+        token: Token,
+        lease_until: Instant,
+    },
     Released,
-    Done,
+    /// With the handler's result, when it is cached.
+    Done(Option<Box<[u8]>>),
     Failed,
 }
 
@@ -162,7 +167,13 @@ impl Record {
 
 #[async_trait]
 impl Store for MemoryStore {
-    async fn claim(&self, key: &Key, lease: Duration, ttl: Duration) -> Result<Claim, StoreError> {
+    async fn claim(
+        &self,
+        key: &Key,
+        lease: Duration,
+        ttl: Duration,
+        fingerprint: Option<&Fingerprint>,
+    ) -> Result<Claim, StoreError> {
         Ok(self.with_record(key, |shard, now| {
             let token = Token::random();
             let retain_until = now + claim_retention(lease, ttl);
@@ -170,31 +181,41 @@ impl Store for MemoryStore {
                 token,
                 lease_until: now + lease,
             };
-            match shard.records.get_mut(key.as_bytes()) {
-                Some(record) if record.expires_at > now => match record.state {
-                    State::Done => Claim::Done,
-                    State::Failed => Claim::Failed {
-                        attempts: record.attempts,
-                    },
-                    State::InProgress { lease_until, .. } if lease_until > now => Claim::InProgress,
-                    State::InProgress { .. } | State::Released => {
-                        record.attempts += 1;
-                        record.state = in_progress;
-                        record.expires_at = record.expires_at.max(retain_until);
-                        Claim::Won {
-                            token,
-                            attempt: record.attempts,
-                        }
-                    }
+            let Some(record) = shard
+                .records
+                .get_mut(key.as_bytes())
+                .filter(|r| r.expires_at > now)
+            else {
+                let record = Record {
+                    state: in_progress,
+                    attempts: 1,
+                    expires_at: retain_until,
+                    fingerprint: fingerprint.copied(),
+                };
+                shard.records.insert(key.as_bytes().into(), record);
+                return Claim::Won { token, attempt: 1 };
+            };
+            if let (Some(held), Some(given)) = (&record.fingerprint, fingerprint) {
+                if held != given {
+                    return Claim::Mismatch;
+                }
+            }
+            match &record.state {
+                State::Done(None) => Claim::Done,
+                State::Done(Some(result)) => Claim::Cached(result.to_vec()),
+                State::Failed => Claim::Failed {
+                    attempts: record.attempts,
                 },
-                _ => {
-                    let record = Record {
-                        state: in_progress,
-                        attempts: 1,
-                        expires_at: retain_until,
-                    };
-                    shard.records.insert(key.as_bytes().into(), record);
-                    Claim::Won { token, attempt: 1 }
+                State::InProgress { lease_until, .. } if *lease_until > now => Claim::InProgress,
+                State::InProgress { .. } | State::Released => {
+                    record.attempts += 1;
+                    record.state = in_progress;
+                    record.expires_at = record.expires_at.max(retain_until);
+                    record.fingerprint = record.fingerprint.or(fingerprint.copied());
+                    Claim::Won {
+                        token,
+                        attempt: record.attempts,
+                    }
                 }
             }
         }))
@@ -205,9 +226,10 @@ impl Store for MemoryStore {
         key: &Key,
         token: Token,
         ttl: Duration,
+        result: Option<&[u8]>,
     ) -> Result<Transition, StoreError> {
         Ok(self.transition(key, token, |record, now| {
-            record.state = State::Done;
+            record.state = State::Done(result.map(Box::from));
             record.expires_at = now + ttl;
         }))
     }
@@ -260,16 +282,16 @@ mod tests {
     async fn expired_lease_is_taken_over_and_the_old_token_is_fenced_off() {
         let store = MemoryStore::new();
         let key = Key::new("ns", "k").unwrap();
-        let (old, _) = won(store.claim(&key, LEASE, TTL).await.unwrap());
+        let (old, _) = won(store.claim(&key, LEASE, TTL, None).await.unwrap());
         tokio::time::advance(LEASE + Duration::from_millis(1)).await;
-        let (new, attempt) = won(store.claim(&key, LEASE, TTL).await.unwrap());
+        let (new, attempt) = won(store.claim(&key, LEASE, TTL, None).await.unwrap());
         assert_eq!(attempt, 2);
         assert_eq!(
-            store.complete(&key, old, TTL).await.unwrap(),
+            store.complete(&key, old, TTL, None).await.unwrap(),
             Transition::LeaseLost
         );
         assert_eq!(
-            store.complete(&key, new, TTL).await.unwrap(),
+            store.complete(&key, new, TTL, None).await.unwrap(),
             Transition::Applied
         );
     }
@@ -280,15 +302,15 @@ mod tests {
         let short = Duration::from_millis(100);
         for i in 0..10_000 {
             let key = Key::new("ns", i.to_string()).unwrap();
-            let (token, _) = won(store.claim(&key, short, short).await.unwrap());
-            let _ = store.complete(&key, token, short).await.unwrap();
+            let (token, _) = won(store.claim(&key, short, short, None).await.unwrap());
+            let _ = store.complete(&key, token, short, None).await.unwrap();
         }
         assert_eq!(store.len(), 10_000);
         tokio::time::advance(Duration::from_secs(2)).await;
         // Writes sweep the shards they touch once a second has passed.
         for i in 0..1_000 {
             let key = Key::new("other", i.to_string()).unwrap();
-            let _ = store.claim(&key, short, short).await.unwrap();
+            let _ = store.claim(&key, short, short, None).await.unwrap();
         }
         assert!(store.len() < 2_000, "expired records kept: {}", store.len());
         tokio::time::advance(Duration::from_secs(2)).await;

@@ -9,7 +9,7 @@ use redis::cluster_async::ClusterConnection;
 use redis::{IntoConnectionInfo, RedisError, Script};
 use sha2::{Digest, Sha256};
 
-use crate::{Claim, Key, Store, StoreError, Token, Transition};
+use crate::{Claim, Fingerprint, Key, Store, StoreError, Token, Transition};
 
 /// The default key prefix: records live at `idempotent:{namespace}:{id}`.
 pub const DEFAULT_PREFIX: &str = "idempotent";
@@ -22,61 +22,67 @@ pub const DEFAULT_RESPONSE_TIMEOUT: Duration = Duration::from_secs(5);
 /// How long connecting (or reconnecting) may take.
 pub const DEFAULT_CONNECTION_TIMEOUT: Duration = Duration::from_secs(2);
 
-// A record is one string: "<state> <attempts> <lease deadline ms> <token>", state P
-// (in progress), R (released), D (done) or F (failed); deadline 0 and token "-" when
-// not in progress. Deadlines use the server's TIME, so consumers' clocks need not
-// agree. A string lets a claim on a fresh key be a single `SET NX PX`. Needs Redis
-// 6.0 or newer (`SET ... KEEPTTL`).
+// A record is one string: "<state> <attempts> <lease deadline ms> <token> <fingerprint>
+// <result>": state P (in progress), R (released), D (done) or F (failed); deadline 0
+// and token "-" when not in progress; fingerprint 64 hex digits or "-"; the cached
+// result, possibly empty, is everything after the fifth space. Deadlines use the
+// server's TIME, so consumers' clocks need not agree. A string lets a claim on a
+// fresh key be a single `SET NX PX`. Needs Redis 6.0 or newer (`SET ... KEEPTTL`).
 
-/// The claim script. KEYS: the record. ARGV: token, lease ms, retention ms. Returns
-/// `{state, attempts}` with state `W` (won), `D` (done), `P` (in progress) or `F`
-/// (failed).
+/// The claim script. KEYS: the record. ARGV: token, lease ms, retention ms,
+/// fingerprint (or `-`). Returns `{state, attempts}` with state `W` (won), `P` (in
+/// progress), `F` (failed) or `M` (fingerprint mismatch), or `{'D', attempts,
+/// result}` (done; result empty when none was cached).
 pub const CLAIM_SCRIPT: &str = r"
 local now = redis.call('TIME')
 now = tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000)
 local deadline = string.format('%.0f', now + tonumber(ARGV[2]))
-if redis.call('SET', KEYS[1], 'P 1 ' .. deadline .. ' ' .. ARGV[1], 'PX', ARGV[3], 'NX') then
+local fp = ARGV[4]
+if redis.call('SET', KEYS[1], 'P 1 ' .. deadline .. ' ' .. ARGV[1] .. ' ' .. fp .. ' ', 'PX', ARGV[3], 'NX') then
   return {'W', 1}
 end
-local s, a, l = string.match(redis.call('GET', KEYS[1]) or '', '^(%u) (%d+) (%d+) ')
+local s, a, l, held, result = string.match(redis.call('GET', KEYS[1]) or '', '^(%u) (%d+) (%d+) %S+ (%S+) (.*)$')
 if not s then return redis.error_reply('idempotent: unreadable record') end
 a = tonumber(a)
-if s == 'D' or s == 'F' then return {s, a} end
+if held ~= '-' and fp ~= '-' and held ~= fp then return {'M', a} end
+if s == 'D' then return {'D', a, result} end
+if s == 'F' then return {'F', a} end
 if s == 'P' and tonumber(l) > now then return {'P', a} end
 a = a + 1
+if held == '-' then held = fp end
 local keep = math.max(tonumber(ARGV[3]), redis.call('PTTL', KEYS[1]))
-redis.call('SET', KEYS[1], 'P ' .. a .. ' ' .. deadline .. ' ' .. ARGV[1], 'PX', keep)
+redis.call('SET', KEYS[1], 'P ' .. a .. ' ' .. deadline .. ' ' .. ARGV[1] .. ' ' .. held .. ' ', 'PX', keep)
 return {'W', a}
 ";
 
-/// The complete and fail script. ARGV: token, final state (`D` or `F`), ttl ms.
-/// Returns 1 if applied, 0 if the lease was lost.
+/// The complete and fail script. ARGV: token, final state (`D` or `F`), ttl ms,
+/// result (empty for none). Returns 1 if applied, 0 if the lease was lost.
 pub const FINISH_SCRIPT: &str = r"
-local s, a, t = string.match(redis.call('GET', KEYS[1]) or '', '^(%u) (%d+) %d+ (%S+)')
+local s, a, t, fp = string.match(redis.call('GET', KEYS[1]) or '', '^(%u) (%d+) %d+ (%S+) (%S+) ')
 if s ~= 'P' or t ~= ARGV[1] then return 0 end
-redis.call('SET', KEYS[1], ARGV[2] .. ' ' .. a .. ' 0 -', 'PX', ARGV[3])
+redis.call('SET', KEYS[1], ARGV[2] .. ' ' .. a .. ' 0 - ' .. fp .. ' ' .. ARGV[4], 'PX', ARGV[3])
 return 1
 ";
 
 /// The release script. ARGV: token. Returns 1 if applied, 0 if the lease was lost.
-/// Keeps the attempt count and the expiry.
+/// Keeps the attempt count, the fingerprint and the expiry.
 pub const RELEASE_SCRIPT: &str = r"
-local s, a, t = string.match(redis.call('GET', KEYS[1]) or '', '^(%u) (%d+) %d+ (%S+)')
+local s, a, t, fp = string.match(redis.call('GET', KEYS[1]) or '', '^(%u) (%d+) %d+ (%S+) (%S+) ')
 if s ~= 'P' or t ~= ARGV[1] then return 0 end
-redis.call('SET', KEYS[1], 'R ' .. a .. ' 0 -', 'KEEPTTL')
+redis.call('SET', KEYS[1], 'R ' .. a .. ' 0 - ' .. fp .. ' ', 'KEEPTTL')
 return 1
 ";
 
 /// The renew script. ARGV: token, lease ms. Returns 1 if applied, 0 if the lease was
 /// lost.
 pub const RENEW_SCRIPT: &str = r"
-local s, a, t = string.match(redis.call('GET', KEYS[1]) or '', '^(%u) (%d+) %d+ (%S+)')
+local s, a, t, fp = string.match(redis.call('GET', KEYS[1]) or '', '^(%u) (%d+) %d+ (%S+) (%S+) ')
 if s ~= 'P' or t ~= ARGV[1] then return 0 end
 local now = redis.call('TIME')
 now = tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000)
 local lease = tonumber(ARGV[2])
 local deadline = string.format('%.0f', now + lease)
-redis.call('SET', KEYS[1], 'P ' .. a .. ' ' .. deadline .. ' ' .. t, 'KEEPTTL')
+redis.call('SET', KEYS[1], 'P ' .. a .. ' ' .. deadline .. ' ' .. t .. ' ' .. fp .. ' ', 'KEEPTTL')
 if redis.call('PTTL', KEYS[1]) < lease then redis.call('PEXPIRE', KEYS[1], lease) end
 return 1
 ";
@@ -279,20 +285,44 @@ fn millis(d: Duration) -> Vec<u8> {
 
 #[async_trait]
 impl Store for RedisStore {
-    async fn claim(&self, key: &Key, lease: Duration, ttl: Duration) -> Result<Claim, StoreError> {
+    async fn claim(
+        &self,
+        key: &Key,
+        lease: Duration,
+        ttl: Duration,
+        fingerprint: Option<&Fingerprint>,
+    ) -> Result<Claim, StoreError> {
         let token = Token::random();
         let token_text = token.to_string();
         let retention = crate::claim_retention(lease, ttl);
-        let args: [&[u8]; 3] = [token_text.as_bytes(), &millis(lease), &millis(retention)];
-        let (state, attempts): (String, u32) = self.invoke(&SCRIPTS.claim, key, &args).await?;
+        let fingerprint = fingerprint.map_or_else(|| "-".to_owned(), Fingerprint::to_string);
+        let args: [&[u8]; 4] = [
+            token_text.as_bytes(),
+            &millis(lease),
+            &millis(retention),
+            fingerprint.as_bytes(),
+        ];
+        let reply: Vec<redis::Value> = self.invoke(&SCRIPTS.claim, key, &args).await?;
+        let field = |i: usize| reply.get(i).cloned().unwrap_or(redis::Value::Nil);
+        let parse_error = |e: redis::ParsingError| StoreError::Protocol(e.to_string());
+        let state: String = redis::from_redis_value(field(0)).map_err(parse_error)?;
+        let attempts: u32 = redis::from_redis_value(field(1)).map_err(parse_error)?;
         match state.as_str() {
             "W" => Ok(Claim::Won {
                 token,
                 attempt: attempts,
             }),
-            "D" => Ok(Claim::Done),
+            "D" => {
+                let result: Vec<u8> = redis::from_redis_value(field(2)).map_err(parse_error)?;
+                Ok(if result.is_empty() {
+                    Claim::Done
+                } else {
+                    Claim::Cached(result)
+                })
+            }
             "P" => Ok(Claim::InProgress),
             "F" => Ok(Claim::Failed { attempts }),
+            "M" => Ok(Claim::Mismatch),
             other => Err(StoreError::Protocol(format!(
                 "claim script returned state {other:?}"
             ))),
@@ -304,14 +334,16 @@ impl Store for RedisStore {
         key: &Key,
         token: Token,
         ttl: Duration,
+        result: Option<&[u8]>,
     ) -> Result<Transition, StoreError> {
         let token = token.to_string();
-        self.transition(
-            &SCRIPTS.finish,
-            key,
-            &[token.as_bytes(), b"D", &millis(ttl)],
-        )
-        .await
+        let args = [
+            token.as_bytes(),
+            b"D",
+            &millis(ttl),
+            result.unwrap_or_default(),
+        ];
+        self.transition(&SCRIPTS.finish, key, &args).await
     }
 
     async fn release(&self, key: &Key, token: Token) -> Result<Transition, StoreError> {
@@ -325,7 +357,7 @@ impl Store for RedisStore {
         self.transition(
             &SCRIPTS.finish,
             key,
-            &[token.as_bytes(), b"F", &millis(ttl)],
+            &[token.as_bytes(), b"F", &millis(ttl), b""],
         )
         .await
     }

@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 
-use crate::{Key, StoreError};
+use crate::{Fingerprint, Key, StoreError};
 
 /// Identifies one claim on a key. Every transition after the claim carries it, and a
 /// store applies the transition only while the record still holds the same token, so
@@ -60,6 +60,12 @@ pub enum Claim {
     },
     /// The key is DONE and within its dedupe window.
     Done,
+    /// The key is DONE and within its dedupe window, with the handler's result as
+    /// stored by [`Store::complete`].
+    Cached(Vec<u8>),
+    /// The key's record holds a different payload fingerprint than the claim's: the
+    /// same key was used for another message. Nothing changed.
+    Mismatch,
     /// Another claim on the key is live.
     InProgress,
     /// The key is FAILED and within its dedupe window.
@@ -112,15 +118,25 @@ pub enum Transition {
 )]
 #[async_trait]
 pub trait Store: Send + Sync {
-    /// Claims `key` for `lease`; the record is retained for at least `ttl`.
-    async fn claim(&self, key: &Key, lease: Duration, ttl: Duration) -> Result<Claim, StoreError>;
+    /// Claims `key` for `lease`; the record is retained for
+    /// [`claim_retention`]`(lease, ttl)`. With a `fingerprint`, a record that holds a
+    /// different one answers [`Claim::Mismatch`]; a record without one takes it.
+    async fn claim(
+        &self,
+        key: &Key,
+        lease: Duration,
+        ttl: Duration,
+        fingerprint: Option<&Fingerprint>,
+    ) -> Result<Claim, StoreError>;
 
-    /// Marks the claim DONE, kept for `ttl`.
+    /// Marks the claim DONE, kept for `ttl`, with the handler's `result` if given
+    /// (later claims then answer [`Claim::Cached`]).
     async fn complete(
         &self,
         key: &Key,
         token: Token,
         ttl: Duration,
+        result: Option<&[u8]>,
     ) -> Result<Transition, StoreError>;
 
     /// Gives the claim up so the next delivery can claim it; the attempt count stays.
@@ -157,11 +173,11 @@ macro_rules! forward_store {
     ($($ptr:ty),*) => {$(
         #[async_trait]
         impl<S: Store + ?Sized> Store for $ptr {
-            async fn claim(&self, key: &Key, lease: Duration, ttl: Duration) -> Result<Claim, StoreError> {
-                (**self).claim(key, lease, ttl).await
+            async fn claim(&self, key: &Key, lease: Duration, ttl: Duration, fingerprint: Option<&Fingerprint>) -> Result<Claim, StoreError> {
+                (**self).claim(key, lease, ttl, fingerprint).await
             }
-            async fn complete(&self, key: &Key, token: Token, ttl: Duration) -> Result<Transition, StoreError> {
-                (**self).complete(key, token, ttl).await
+            async fn complete(&self, key: &Key, token: Token, ttl: Duration, result: Option<&[u8]>) -> Result<Transition, StoreError> {
+                (**self).complete(key, token, ttl, result).await
             }
             async fn release(&self, key: &Key, token: Token) -> Result<Transition, StoreError> {
                 (**self).release(key, token).await
@@ -217,16 +233,23 @@ impl DefaultStore {
 
 #[async_trait]
 impl Store for DefaultStore {
-    async fn claim(&self, key: &Key, lease: Duration, ttl: Duration) -> Result<Claim, StoreError> {
-        self.get()?.claim(key, lease, ttl).await
+    async fn claim(
+        &self,
+        key: &Key,
+        lease: Duration,
+        ttl: Duration,
+        fingerprint: Option<&Fingerprint>,
+    ) -> Result<Claim, StoreError> {
+        self.get()?.claim(key, lease, ttl, fingerprint).await
     }
     async fn complete(
         &self,
         key: &Key,
         token: Token,
         ttl: Duration,
+        result: Option<&[u8]>,
     ) -> Result<Transition, StoreError> {
-        self.get()?.complete(key, token, ttl).await
+        self.get()?.complete(key, token, ttl, result).await
     }
     async fn release(&self, key: &Key, token: Token) -> Result<Transition, StoreError> {
         self.get()?.release(key, token).await

@@ -27,8 +27,10 @@ use async_trait::async_trait;
 use tokio::sync::Mutex;
 
 use crate::alert::TerminalEvent;
-use crate::execute::{Spec, run};
-use crate::{Claim, Error, ErrorClass, Key, Outcome, Store, StoreError, Token, Transition};
+use crate::execute::{Call, Spec, run};
+use crate::{
+    Claim, Error, ErrorClass, Fingerprint, Key, Outcome, Store, StoreError, Token, Transition,
+};
 
 /// The lease the timing cases use.
 pub const LEASE: Duration = Duration::from_millis(300);
@@ -60,7 +62,9 @@ pub struct Alerts(Arc<Mutex<Vec<TerminalEvent>>>);
 
 impl Alerts {
     /// The hook to pass as `on_terminal`.
-    pub fn hook(&self) -> impl FnOnce(TerminalEvent) -> Pin<Box<dyn Future<Output = ()> + Send>> {
+    pub fn hook(
+        &self,
+    ) -> impl FnOnce(TerminalEvent) -> Pin<Box<dyn Future<Output = ()> + Send>> + use<> {
         let events = self.0.clone();
         move |event| Box::pin(async move { events.lock().await.push(event) })
     }
@@ -89,9 +93,8 @@ async fn call<S: Store + ?Sized>(
     result: Result<u32, Failure>,
 ) -> Result<Outcome<u32>, Error<Failure>> {
     run(
-        spec,
+        Call::new(spec, Ok(key.clone())),
         store,
-        Ok(key.clone()),
         Failure::class,
         alerts.hook(),
         async {
@@ -103,7 +106,10 @@ async fn call<S: Store + ?Sized>(
 }
 
 async fn claim_state<S: Store + ?Sized>(store: &S, key: &Key) -> Claim {
-    store.claim(key, LEASE, TTL).await.expect("store reachable")
+    store
+        .claim(key, LEASE, TTL, None)
+        .await
+        .expect("store reachable")
 }
 
 /// First delivery succeeds: `Processed`, record DONE.
@@ -141,7 +147,7 @@ pub async fn in_progress_elsewhere<S: Store + ?Sized>(store: &S) {
     assert_eq!(out.unwrap(), Outcome::InProgress);
     assert_eq!(runs.load(Ordering::SeqCst), 0);
     assert_eq!(
-        store.complete(&key, token, TTL).await.unwrap(),
+        store.complete(&key, token, TTL, None).await.unwrap(),
         Transition::Applied
     );
 }
@@ -255,9 +261,8 @@ pub async fn panic_releases<S: Store + ?Sized>(store: &S) {
     let key = fresh_key("panic");
     let alerts = Alerts::default();
     let out = run(
-        spec(5),
+        Call::new(spec(5), Ok(key.clone())),
         store,
-        Ok(key.clone()),
         Failure::class,
         alerts.hook(),
         async {
@@ -288,9 +293,8 @@ pub async fn dropped_future_releases<S: Store + ?Sized>(store: &S) {
     let (key, runs, alerts) = (fresh_key("drop"), AtomicU32::new(0), Alerts::default());
     let started = tokio::sync::Notify::new();
     let handler = run(
-        spec(5),
+        Call::new(spec(5), Ok(key.clone())),
         store,
-        Ok(key.clone()),
         Failure::class,
         alerts.hook(),
         async {
@@ -331,7 +335,7 @@ pub async fn unfinished_attempts_are_capped<S: Store + ?Sized>(store: &S) {
     let short = Duration::from_millis(100);
     for _ in 0..2 {
         assert!(matches!(
-            store.claim(&key, short, TTL).await.unwrap(),
+            store.claim(&key, short, TTL, None).await.unwrap(),
             Claim::Won { .. }
         ));
         tokio::time::sleep(short + Duration::from_millis(100)).await;
@@ -443,7 +447,7 @@ pub async fn expired_lease_is_fenced<S: Store + ?Sized>(store: &S) {
         Transition::LeaseLost
     );
     assert_eq!(
-        store.complete(&key, stale, TTL).await.unwrap(),
+        store.complete(&key, stale, TTL, None).await.unwrap(),
         Transition::LeaseLost
     );
     assert_eq!(
@@ -452,11 +456,11 @@ pub async fn expired_lease_is_fenced<S: Store + ?Sized>(store: &S) {
         "the new claim stands"
     );
     assert_eq!(
-        store.complete(&key, fresh, TTL).await.unwrap(),
+        store.complete(&key, fresh, TTL, None).await.unwrap(),
         Transition::Applied
     );
     assert_eq!(
-        store.complete(&key, stale, TTL).await.unwrap(),
+        store.complete(&key, stale, TTL, None).await.unwrap(),
         Transition::LeaseLost
     );
     assert_eq!(claim_state(store, &key).await, Claim::Done);
@@ -469,9 +473,8 @@ pub async fn late_completion_gets_lease_lost<S: Store + ?Sized>(store: &S) {
     let flaky = Flaky::new(store);
     flaky.refuse_renewals.store(true, Ordering::SeqCst);
     let slow = run(
-        spec(5),
+        Call::new(spec(5), Ok(key.clone())),
         &flaky,
-        Ok(key.clone()),
         Failure::class,
         alerts.hook(),
         async {
@@ -496,9 +499,8 @@ pub async fn late_completion_gets_lease_lost<S: Store + ?Sized>(store: &S) {
 pub async fn renewal_keeps_slow_handler<S: Store + ?Sized>(store: &S) {
     let (key, runs, alerts) = (fresh_key("slow"), AtomicU32::new(0), Alerts::default());
     let slow = run(
-        spec(5),
+        Call::new(spec(5), Ok(key.clone())),
         store,
-        Ok(key.clone()),
         Failure::class,
         alerts.hook(),
         async {
@@ -520,6 +522,116 @@ pub async fn renewal_keeps_slow_handler<S: Store + ?Sized>(store: &S) {
         runs.load(Ordering::SeqCst),
         0,
         "the rival never ran: {seen:?}"
+    );
+}
+
+/// With `validate`, the same key with another payload is refused and runs nothing,
+/// whether the first delivery is done or still in progress; the same payload is a
+/// duplicate.
+pub async fn payload_mismatch_is_refused<S: Store + ?Sized>(store: &S) {
+    let (key, runs) = (fresh_key("validate"), AtomicU32::new(0));
+    let (first, other) = (
+        Fingerprint::of(r#"{"amount":100}"#),
+        Fingerprint::of(r#"{"amount":999}"#),
+    );
+    let validated = |fingerprint: Fingerprint| {
+        let call = Call::new(spec(5), Ok(key.clone())).validated(fingerprint);
+        run(
+            call,
+            store,
+            Failure::class,
+            Alerts::default().hook(),
+            async {
+                runs.fetch_add(1, Ordering::SeqCst);
+                Ok::<u32, Failure>(1)
+            },
+        )
+    };
+    assert_eq!(validated(first).await.unwrap(), Outcome::Processed(1));
+    assert!(matches!(
+        validated(other).await,
+        Err(Error::PayloadMismatch)
+    ));
+    assert_eq!(validated(first).await.unwrap(), Outcome::Duplicate);
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+
+    let busy = fresh_key("validate-busy");
+    let Claim::Won { token, .. } = store.claim(&busy, LEASE, TTL, Some(&first)).await.unwrap()
+    else {
+        panic!("fresh key")
+    };
+    let answer = store.claim(&busy, LEASE, TTL, Some(&other)).await.unwrap();
+    assert_eq!(answer, Claim::Mismatch, "checked before the live claim");
+    assert_eq!(
+        store.claim(&busy, LEASE, TTL, Some(&first)).await.unwrap(),
+        Claim::InProgress
+    );
+    assert_eq!(
+        store.complete(&busy, token, TTL, None).await.unwrap(),
+        Transition::Applied
+    );
+}
+
+/// With `cache`, duplicates get the first delivery's value back; a value too large to
+/// cache is refused with an error, and the message is still recorded DONE.
+pub async fn cached_result_is_replayed<S: Store + ?Sized>(store: &S) {
+    let (key, runs) = (fresh_key("cache"), AtomicU32::new(0));
+    let cached = |value: String| {
+        let call = Call::new(spec(5), Ok(key.clone())).cached::<String>();
+        run(
+            call,
+            store,
+            Failure::class,
+            Alerts::default().hook(),
+            async {
+                runs.fetch_add(1, Ordering::SeqCst);
+                Ok::<String, Failure>(value)
+            },
+        )
+    };
+    let receipt = "receipt 7 \u{1F9FE} with spaces".to_owned();
+    assert_eq!(
+        cached(receipt.clone()).await.unwrap(),
+        Outcome::Processed(receipt.clone())
+    );
+    assert_eq!(
+        cached("other".into()).await.unwrap(),
+        Outcome::Replayed(receipt.clone())
+    );
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+    // A handler that does not cache sees a plain duplicate.
+    let uncached = run(
+        Call::new(spec(5), Ok(key.clone())),
+        store,
+        Failure::class,
+        Alerts::default().hook(),
+        async { Ok::<String, Failure>("never".into()) },
+    );
+    assert_eq!(uncached.await.unwrap(), Outcome::Duplicate);
+
+    let (big_key, big) = (
+        fresh_key("cache-big"),
+        "x".repeat(crate::execute::MAX_CACHED_RESULT + 1),
+    );
+    let call = Call::new(spec(5), Ok(big_key.clone())).cached::<String>();
+    let out = run(
+        call,
+        store,
+        Failure::class,
+        Alerts::default().hook(),
+        async { Ok::<_, Failure>(big) },
+    )
+    .await;
+    let err = out.unwrap_err();
+    assert!(
+        matches!(&err, Error::Cache { reason } if reason.contains("limit")),
+        "{err:?}"
+    );
+    assert_eq!(err.disposition(), crate::Disposition::Ack);
+    assert_eq!(
+        claim_state(store, &big_key).await,
+        Claim::Done,
+        "recorded DONE, uncached"
     );
 }
 
@@ -559,9 +671,8 @@ pub async fn many_keys_each_once<S: Store + ?Sized + 'static>(store: Arc<S>) {
                 let id = (i * 7919) % 1_000;
                 let key = Key::new(&namespace, id.to_string()).expect("valid key");
                 run(
-                    BULK,
+                    Call::new(BULK, Ok(key)),
                     &*store,
-                    Ok(key),
                     Failure::class,
                     Alerts::default().hook(),
                     async {
@@ -632,19 +743,26 @@ impl<'a, S: Store + ?Sized> Flaky<'a, S> {
 
 #[async_trait]
 impl<S: Store + ?Sized> Store for Flaky<'_, S> {
-    async fn claim(&self, key: &Key, lease: Duration, ttl: Duration) -> Result<Claim, StoreError> {
+    async fn claim(
+        &self,
+        key: &Key,
+        lease: Duration,
+        ttl: Duration,
+        fingerprint: Option<&Fingerprint>,
+    ) -> Result<Claim, StoreError> {
         self.check(&self.down)?;
-        self.inner.claim(key, lease, ttl).await
+        self.inner.claim(key, lease, ttl, fingerprint).await
     }
     async fn complete(
         &self,
         key: &Key,
         token: Token,
         ttl: Duration,
+        result: Option<&[u8]>,
     ) -> Result<Transition, StoreError> {
         self.check(&self.down)?;
         self.check(&self.down_after_claim)?;
-        self.inner.complete(key, token, ttl).await
+        self.inner.complete(key, token, ttl, result).await
     }
     async fn release(&self, key: &Key, token: Token) -> Result<Transition, StoreError> {
         self.check(&self.down)?;
@@ -698,6 +816,8 @@ pub const CASES: &[&str] = &[
     "late_completion_gets_lease_lost",
     "renewal_keeps_slow_handler",
     "concurrent_same_key_runs_once",
+    "payload_mismatch_is_refused",
+    "cached_result_is_replayed",
     "many_keys_each_once",
 ];
 
@@ -713,7 +833,8 @@ macro_rules! store_suite {
             panic_releases, dropped_future_releases, dead_consumer_claim_expires,
             unfinished_attempts_are_capped, store_unreachable_at_claim,
             store_fails_after_handler, ttl_expiry_forgets, expired_lease_is_fenced,
-            late_completion_gets_lease_lost, renewal_keeps_slow_handler);
+            late_completion_gets_lease_lost, renewal_keeps_slow_handler,
+            payload_mismatch_is_refused, cached_result_is_replayed);
         $crate::store_suite!(@shared $make; concurrent_same_key_runs_once, many_keys_each_once);
     };
     (@cases $make:expr; $($case:ident),*) => {$(

@@ -30,21 +30,28 @@ impl std::fmt::Display for PayError {
 async fn process_order(
     msg: OrderPlaced,
 ) -> ::core::result::Result<::idempotent::Outcome<u64>, ::idempotent::Error<PayError>> {
-    let mut __idempotent_key = ::idempotent::__private::KeyBuilder::new("process_order");
-    __idempotent_key.text("order:");
-    __idempotent_key.field("order_id", &msg.order_id);
-    __idempotent_key.text(":");
-    __idempotent_key.field("customer.id", &msg.customer.id);
-    let __idempotent_key = __idempotent_key.finish();
+    let __idempotent_key = {
+        let mut __idempotent_key = ::idempotent::__private::KeyBuilder::new(
+            "process_order",
+        );
+        __idempotent_key.text("order:");
+        __idempotent_key.field("order_id", &msg.order_id);
+        __idempotent_key.text(":");
+        __idempotent_key.field("customer.id", &msg.customer.id);
+        __idempotent_key.finish()
+    };
+    let __idempotent_call = ::idempotent::__private::Call::new(
+        ::idempotent::__private::Spec::new(
+            ::core::time::Duration::from_millis(600000u64),
+            ::core::time::Duration::from_millis(30000u64),
+            5u32,
+        ),
+        __idempotent_key,
+    );
     let __idempotent_store = &::idempotent::__private::DefaultStore;
     ::idempotent::__private::run(
-            ::idempotent::__private::Spec::new(
-                ::core::time::Duration::from_millis(600000u64),
-                ::core::time::Duration::from_millis(30000u64),
-                5u32,
-            ),
+            __idempotent_call,
             __idempotent_store,
-            __idempotent_key,
             <PayError as ::idempotent::Classify>::class,
             ::idempotent::__private::process_sink,
             async {

@@ -15,24 +15,31 @@ impl Consumer {
         ::idempotent::Outcome<()>,
         ::idempotent::Error<::core::convert::Infallible>,
     > {
-        let mut __idempotent_key = ::idempotent::__private::KeyBuilder::new("handle");
-        __idempotent_key.field("self.tenant", &self.tenant);
-        __idempotent_key.text("/");
-        __idempotent_key.field("id", &order.id);
-        let __idempotent_key = __idempotent_key.finish();
+        let __idempotent_key = {
+            let mut __idempotent_key = ::idempotent::__private::KeyBuilder::new(
+                "handle",
+            );
+            __idempotent_key.field("self.tenant", &self.tenant);
+            __idempotent_key.text("/");
+            __idempotent_key.field("id", &order.id);
+            __idempotent_key.finish()
+        };
+        let __idempotent_call = ::idempotent::__private::Call::new(
+            ::idempotent::__private::Spec::new(
+                ::core::time::Duration::from_millis(3600000u64),
+                ::core::time::Duration::from_millis(10000u64),
+                3u32,
+            ),
+            __idempotent_key,
+        );
         let __idempotent_store = &(self.store);
         let __idempotent_store = {
             use ::idempotent::__private::AsStore as _;
             __idempotent_store.__idempotent_as_store()
         };
         ::idempotent::__private::run_infallible(
-                ::idempotent::__private::Spec::new(
-                    ::core::time::Duration::from_millis(3600000u64),
-                    ::core::time::Duration::from_millis(10000u64),
-                    3u32,
-                ),
+                __idempotent_call,
                 __idempotent_store,
-                __idempotent_key,
                 async {
                     let _ = &order.id;
                 },

@@ -4,7 +4,7 @@ struct Order {
     order_id: u64,
 }
 
-#[idempotent(key = "order:{order_id}", cache = true)]
+#[idempotent(key = "order:{order_id}", cache = "yes", validate = 1)]
 async fn handle(msg: Order) {
     let _ = msg.order_id;
 }

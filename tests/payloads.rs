@@ -1,0 +1,230 @@
+//! `{/json/pointer}` placeholders, `validate` and `cache` through the macro, on every
+//! payload type, with the bad inputs a broker can deliver.
+
+use std::sync::LazyLock;
+use std::sync::atomic::{AtomicU32, Ordering};
+
+use idempotent::serde_json::{Value, json};
+use idempotent::{
+    Disposition, Error, KeyError, MemoryStore, Outcome, Payload, PayloadRef, Unusable, idempotent,
+};
+
+static STORE: LazyLock<MemoryStore> = LazyLock::new(MemoryStore::new);
+static RUNS: AtomicU32 = AtomicU32::new(0);
+
+#[idempotent(key = "order:{/order/id}", store = STORE, namespace = "json_value")]
+async fn from_value(msg: Value) -> u32 {
+    let _ = msg;
+    RUNS.fetch_add(1, Ordering::SeqCst)
+}
+
+#[tokio::test]
+async fn values_are_keyed_by_pointer_and_numbers_canonically() {
+    let first = from_value(json!({"order": {"id": 1}})).await.unwrap();
+    assert!(first.is_processed());
+    // 1 and 1.0 are the same number, so the same key.
+    assert_eq!(
+        from_value(json!({"order": {"id": 1.0}})).await.unwrap(),
+        Outcome::Duplicate
+    );
+    assert!(
+        from_value(json!({"order": {"id": "1x"}}))
+            .await
+            .unwrap()
+            .is_processed()
+    );
+}
+
+#[idempotent(key = "{/id}", store = STORE, namespace = "bad_input")]
+async fn from_bytes(msg: &[u8]) {
+    let _ = msg;
+    RUNS.fetch_add(1, Ordering::SeqCst);
+}
+
+#[tokio::test]
+async fn bad_payloads_are_key_errors_that_run_nothing() {
+    type Expect = fn(&KeyError) -> bool;
+    let cases: [(&[u8], Expect); 8] = [
+        (b"not json", |e| {
+            matches!(e, KeyError::NotJson { pointer: "/id", .. })
+        }),
+        (b"", |e| matches!(e, KeyError::NotJson { .. })),
+        (br#"{"other": 1}"#, |e| {
+            matches!(
+                e,
+                KeyError::Pointer {
+                    why: Unusable::Missing,
+                    ..
+                }
+            )
+        }),
+        (br#"{"id": null}"#, |e| {
+            matches!(
+                e,
+                KeyError::Pointer {
+                    why: Unusable::Null,
+                    ..
+                }
+            )
+        }),
+        (br#"{"id": ""}"#, |e| {
+            matches!(
+                e,
+                KeyError::Pointer {
+                    why: Unusable::EmptyString,
+                    ..
+                }
+            )
+        }),
+        (br#"{"id": true}"#, |e| {
+            matches!(
+                e,
+                KeyError::Pointer {
+                    why: Unusable::Bool,
+                    ..
+                }
+            )
+        }),
+        (br#"{"id": {"a": 1}}"#, |e| {
+            matches!(
+                e,
+                KeyError::Pointer {
+                    why: Unusable::Object,
+                    ..
+                }
+            )
+        }),
+        (br#"{"id": [1]}"#, |e| {
+            matches!(
+                e,
+                KeyError::Pointer {
+                    why: Unusable::Array,
+                    ..
+                }
+            )
+        }),
+    ];
+    let before = RUNS.load(Ordering::SeqCst);
+    for (payload, expected) in cases {
+        let err = from_bytes(payload).await.unwrap_err();
+        let Error::Key(key_error) = &err else {
+            panic!("{err:?}")
+        };
+        assert!(
+            expected(key_error),
+            "{}: {key_error}",
+            String::from_utf8_lossy(payload)
+        );
+        assert_eq!(err.disposition(), Disposition::DeadLetter);
+    }
+    assert_eq!(RUNS.load(Ordering::SeqCst), before, "no handler ran");
+    assert!(
+        from_bytes(br#"{"id": "a b"}"#)
+            .await
+            .unwrap()
+            .is_processed()
+    );
+}
+
+#[idempotent(key = "{/id}", store = STORE, namespace = "every_type")]
+async fn from_string(msg: String) {}
+#[idempotent(key = "{/id}", store = STORE, namespace = "every_type")]
+async fn from_str(msg: &str) {}
+#[idempotent(key = "{/id}", store = STORE, namespace = "every_type")]
+async fn from_vec(msg: Vec<u8>) {}
+#[idempotent(key = "{/id}", store = STORE, namespace = "every_type")]
+async fn from_buf(msg: bytes::Bytes) {}
+
+#[tokio::test]
+async fn every_payload_type_renders_the_same_key() {
+    let body = r#"{"id": 77}"#;
+    assert!(from_string(body.to_owned()).await.unwrap().is_processed());
+    assert_eq!(from_str(body).await.unwrap(), Outcome::Duplicate);
+    assert_eq!(
+        from_vec(body.as_bytes().to_vec()).await.unwrap(),
+        Outcome::Duplicate
+    );
+    assert_eq!(
+        from_buf(bytes::Bytes::from_static(br#"{"id":77}"#))
+            .await
+            .unwrap(),
+        Outcome::Duplicate
+    );
+}
+
+/// A broker delivery: typed metadata plus a JSON body; counts how often its payload is
+/// read.
+struct Delivery {
+    tenant: &'static str,
+    body: Vec<u8>,
+    reads: AtomicU32,
+}
+
+impl Payload for Delivery {
+    fn payload(&self) -> PayloadRef<'_> {
+        self.reads.fetch_add(1, Ordering::SeqCst);
+        PayloadRef::Bytes(&self.body)
+    }
+}
+
+#[idempotent(key = "{tenant}/{/order/id}/{/order/line}", store = STORE, validate = true)]
+async fn mixed(msg: &Delivery) -> Result<(), std::io::Error> {
+    Ok(())
+}
+
+#[tokio::test]
+async fn typed_fields_and_pointers_mix_and_the_payload_is_parsed_once() {
+    let delivery = |body: &str| Delivery {
+        tenant: "acme",
+        body: body.as_bytes().to_vec(),
+        reads: AtomicU32::new(0),
+    };
+    let first = delivery(r#"{"order": {"id": 5, "line": 2}, "amount": 10}"#);
+    assert!(mixed(&first).await.unwrap().is_processed());
+    // Once for the two pointers, once for the fingerprint.
+    assert_eq!(first.reads.load(Ordering::SeqCst), 2);
+    let same = delivery(r#"{"order": {"id": 5, "line": 2}, "amount": 10}"#);
+    assert_eq!(mixed(&same).await.unwrap(), Outcome::Duplicate);
+    let changed = delivery(r#"{"order": {"id": 5, "line": 2}, "amount": 99}"#);
+    let err = mixed(&changed).await.unwrap_err();
+    assert!(matches!(err, Error::PayloadMismatch), "{err}");
+    assert_eq!(err.disposition(), Disposition::DeadLetter);
+}
+
+#[derive(Debug, PartialEq, serde::Serialize, serde::Deserialize)]
+struct Receipt {
+    order: u64,
+    charged_cents: i64,
+}
+
+#[idempotent(key = "{/order}", store = STORE, cache)]
+async fn charge(msg: Value) -> Result<Receipt, std::io::Error> {
+    RUNS.fetch_add(1, Ordering::SeqCst);
+    Ok(Receipt {
+        order: msg["order"].as_u64().unwrap_or(0),
+        charged_cents: 500,
+    })
+}
+
+#[tokio::test]
+async fn cached_results_are_replayed_to_duplicates() {
+    let before = RUNS.load(Ordering::SeqCst);
+    let receipt = Receipt {
+        order: 9,
+        charged_cents: 500,
+    };
+    assert_eq!(
+        charge(json!({"order": 9})).await.unwrap(),
+        Outcome::Processed(Receipt { ..receipt })
+    );
+    let again = charge(json!({"order": 9})).await.unwrap();
+    assert_eq!(
+        again,
+        Outcome::Replayed(Receipt {
+            order: 9,
+            charged_cents: 500
+        })
+    );
+    assert_eq!(again.disposition(), Disposition::Ack);
+    assert_eq!(RUNS.load(Ordering::SeqCst), before + 1);
+}
