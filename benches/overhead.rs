@@ -40,9 +40,7 @@ async fn wrapped(msg: Msg) -> Result<u64, Never> {
 }
 
 fn fresh() -> Msg {
-    Msg {
-        id: NEXT.fetch_add(1, Ordering::Relaxed),
-    }
+    Msg { id: NEXT.fetch_add(1, Ordering::Relaxed) }
 }
 
 fn store(c: &mut Criterion) {
@@ -76,9 +74,7 @@ fn handler(c: &mut Criterion) {
     let rt = current_thread();
     let mut group = c.benchmark_group("handler");
     group.bench_function("direct", |b| b.to_async(&rt).iter(|| direct(fresh())));
-    group.bench_function("idempotent_fresh_key", |b| {
-        b.to_async(&rt).iter(|| wrapped(fresh()))
-    });
+    group.bench_function("idempotent_fresh_key", |b| b.to_async(&rt).iter(|| wrapped(fresh())));
     let done = Msg { id: u64::MAX };
     rt.block_on(async {
         let _ = wrapped(Msg { id: done.id }).await;
@@ -91,16 +87,11 @@ fn handler(c: &mut Criterion) {
     });
 
     let rt2 = Arc::new(
-        tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(2)
-            .enable_all()
-            .build()
-            .unwrap(),
+        tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap(),
     );
-    for (name, wrapped_call) in [
-        ("direct_2_threads", false),
-        ("idempotent_fresh_key_2_threads", true),
-    ] {
+    for (name, wrapped_call) in
+        [("direct_2_threads", false), ("idempotent_fresh_key_2_threads", true)]
+    {
         group.bench_function(name, |b| {
             b.iter_custom(|iters| {
                 let start = Instant::now();
@@ -130,10 +121,7 @@ fn handler(c: &mut Criterion) {
 }
 
 fn current_thread() -> Runtime {
-    tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .unwrap()
+    tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap()
 }
 
 criterion_group!(benches, store, handler);

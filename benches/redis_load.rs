@@ -44,9 +44,7 @@ async fn by_hand(conn: &mut ConnectionManager, run: u64, id: u64) -> u64 {
     let finish = FINISH.get_or_init(|| Script::new(FINISH_SCRIPT));
     let key = format!("idempotent:hand{run}:{id}");
     let token = Token::random().to_string();
-    let retention = idempotent::claim_retention(LEASE, TTL)
-        .as_millis()
-        .to_string();
+    let retention = idempotent::claim_retention(LEASE, TTL).as_millis().to_string();
     let (state, _): (String, u32) = claim
         .key(&key)
         .arg(&token)
@@ -137,20 +135,12 @@ async fn main() {
         return; // `cargo test --benches` probes bench binaries; nothing to list.
     }
     let url = std::env::var("REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".into());
-    let store = RedisStore::connect(url.as_str())
-        .await
-        .expect("a Redis to benchmark against");
+    let store = RedisStore::connect(url.as_str()).await.expect("a Redis to benchmark against");
     STORE.set(store.clone()).unwrap();
     // Keys unique to this run: earlier runs' records may still be within their ttl.
-    NEXT.store(
-        (Token::random().as_u128() as u64) & !((1 << 48) - 1),
-        Ordering::Relaxed,
-    );
+    NEXT.store((Token::random().as_u128() as u64) & !((1 << 48) - 1), Ordering::Relaxed);
     // The hand-written loop and the SET NX baseline share the store's connection.
-    let conn = store
-        .connection_manager()
-        .expect("a standalone Redis")
-        .clone();
+    let conn = store.connection_manager().expect("a standalone Redis").clone();
 
     println!("| concurrency | #[idempotent] msg/s | hand-written msg/s | ratio |");
     println!("| --- | --- | --- | --- |");
@@ -178,10 +168,7 @@ async fn main() {
             );
         }
         let (m, h) = (median(macro_rates), median(hand_rates));
-        println!(
-            "| {concurrency} | {m:.0} | {h:.0} | {:.0}% |",
-            100.0 * m / h
-        );
+        println!("| {concurrency} | {m:.0} | {h:.0} | {:.0}% |", 100.0 * m / h);
     }
 
     println!();
@@ -225,11 +212,6 @@ async fn main() {
             );
         }
         let (c, s) = (median(claims), median(sets));
-        println!(
-            "| {concurrency} | {:.0} µs | {:.0} µs | {:.2}× |",
-            c * 1e6,
-            s * 1e6,
-            c / s
-        );
+        println!("| {concurrency} | {:.0} µs | {:.0} µs | {:.2}× |", c * 1e6, s * 1e6, c / s);
     }
 }

@@ -63,9 +63,8 @@ async fn store() -> Box<dyn Store> {
         Ok(url) => {
             // A prefix of this run's own: earlier runs' records are still within their ttl.
             let prefix = format!("quickstart-{}", idempotent::Token::random());
-            let redis = idempotent::RedisStore::connect(url.as_str())
-                .await
-                .expect("Redis at REDIS_URL");
+            let redis =
+                idempotent::RedisStore::connect(url.as_str()).await.expect("Redis at REDIS_URL");
             println!("store: Redis at {url}, keys under {prefix}:");
             Box::new(redis.with_prefix(prefix))
         }
@@ -80,19 +79,13 @@ async fn store() -> Box<dyn Store> {
 
 #[tokio::main]
 async fn main() {
-    tracing_subscriber::fmt()
-        .with_target(false)
-        .without_time()
-        .init();
+    tracing_subscriber::fmt().with_target(false).without_time().init();
     idempotent::set_default_store(store().await).expect("set once, at start-up");
 
     // Orders 1..=6 published, 1 and 2 twice (producer retries), 5 is too expensive.
     let mut broker: VecDeque<OrderPlaced> = [1, 2, 1, 3, 4, 2, 5, 6]
         .into_iter()
-        .map(|id| OrderPlaced {
-            order_id: id,
-            amount_cents: if id == 5 { 99_999 } else { 1_000 },
-        })
+        .map(|id| OrderPlaced { order_id: id, amount_cents: if id == 5 { 99_999 } else { 1_000 } })
         .collect();
     let (mut delivered, mut processed, mut duplicates, mut retried) = (0, 0, 0, 0);
     let mut dead_letters = Vec::new();
@@ -103,10 +96,7 @@ async fn main() {
         // unacked message comes back, as a broker would redeliver it.
         let Ok(result) = tokio::time::timeout(Duration::from_millis(50), charge(msg.clone())).await
         else {
-            println!(
-                "order {}: consumer crashed mid-handler, message redelivered",
-                msg.order_id
-            );
+            println!("order {}: consumer crashed mid-handler, message redelivered", msg.order_id);
             retried += 1;
             broker.push_back(msg);
             continue;
@@ -131,21 +121,11 @@ async fn main() {
     println!("  processed exactly once     {processed:>3}");
     println!("  duplicates skipped         {duplicates:>3}");
     println!("  redelivered for retry      {retried:>3}");
-    println!(
-        "  dead-lettered              {:>3}  {dead_letters:?}",
-        dead_letters.len()
-    );
+    println!("  dead-lettered              {:>3}  {dead_letters:?}", dead_letters.len());
 
     let charges = CHARGES.lock().unwrap().clone();
     let expected: HashMap<u64, u32> = [(1, 1), (2, 1), (3, 1), (4, 1)].into();
-    assert_eq!(
-        charges, expected,
-        "every good order charged exactly once, bad ones never"
-    );
-    assert_eq!(
-        dead_letters,
-        [5, 6],
-        "the terminal and the exhausted order are dead-lettered"
-    );
+    assert_eq!(charges, expected, "every good order charged exactly once, bad ones never");
+    assert_eq!(dead_letters, [5, 6], "the terminal and the exhausted order are dead-lettered");
     println!("\nok: every order took effect exactly once; nothing was lost");
 }

@@ -174,6 +174,9 @@ pub use idempotent_runtime::serde_json;
 #[cfg(feature = "redis")]
 pub use idempotent_runtime::{RedisStore, redis_store};
 
+#[cfg(feature = "redis-streams")]
+pub use idempotent_runtime::consume;
+
 /// What the `#[idempotent]` expansion calls. Not a public API: it changes without
 /// notice, which is why the macro crate is pinned to this exact version.
 #[doc(hidden)]

@@ -20,11 +20,7 @@ struct TooHeavy(u32);
 
 /// No `Classify` impl on `TooHeavy`: the `classify` argument decides.
 fn by_weight(e: &TooHeavy) -> ErrorClass {
-    if e.0 > 30_000 {
-        ErrorClass::Terminal
-    } else {
-        ErrorClass::Retryable
-    }
+    if e.0 > 30_000 { ErrorClass::Terminal } else { ErrorClass::Retryable }
 }
 
 fn parcel_key(msg: &Shipment) -> String {
@@ -33,11 +29,7 @@ fn parcel_key(msg: &Shipment) -> String {
 
 #[idempotent(key_fn = parcel_key, classify = by_weight, store = STORE, namespace = "ship")]
 async fn ship(msg: Shipment) -> Result<(), TooHeavy> {
-    if msg.weight_grams > 20_000 {
-        Err(TooHeavy(msg.weight_grams))
-    } else {
-        Ok(())
-    }
+    if msg.weight_grams > 20_000 { Err(TooHeavy(msg.weight_grams)) } else { Ok(()) }
 }
 
 async fn page_someone(event: TerminalEvent) {
@@ -50,25 +42,16 @@ async fn ship_with_hook(msg: Shipment) -> Result<(), TooHeavy> {
 }
 
 fn shipment(parcel: &str, weight_grams: u32) -> Shipment {
-    Shipment {
-        parcel: parcel.into(),
-        weight_grams,
-    }
+    Shipment { parcel: parcel.into(), weight_grams }
 }
 
 #[tokio::test]
 async fn alerts_key_fn_and_classify() {
     idempotent::set_alert_sink(|e: &TerminalEvent| SINK.lock().unwrap().push(e.clone())).unwrap();
-    assert!(
-        idempotent::set_alert_sink(|_: &TerminalEvent| {}).is_err(),
-        "set once"
-    );
+    assert!(idempotent::set_alert_sink(|_: &TerminalEvent| {}).is_err(), "set once");
 
     // key_fn: "p-1" and "P-1" are one parcel.
-    assert_eq!(
-        ship(shipment("p-1", 10)).await.unwrap(),
-        Outcome::Processed(())
-    );
+    assert_eq!(ship(shipment("p-1", 10)).await.unwrap(), Outcome::Processed(()));
     assert_eq!(ship(shipment("P-1", 10)).await.unwrap(), Outcome::Duplicate);
 
     // classify: 25 kg is retryable, so no alert; 40 kg is terminal, so an alert.
@@ -76,35 +59,16 @@ async fn alerts_key_fn_and_classify() {
     assert!(matches!(err, Error::Retryable { .. }), "{err}");
     assert!(SINK.lock().unwrap().is_empty());
     let err = ship(shipment("p-3", 40_000)).await.unwrap_err();
-    assert!(
-        matches!(
-            err,
-            Error::Terminal {
-                exhausted: false,
-                ..
-            }
-        ),
-        "{err}"
-    );
+    assert!(matches!(err, Error::Terminal { exhausted: false, .. }), "{err}");
     let sink = SINK.lock().unwrap().clone();
     assert_eq!(sink.len(), 1);
-    assert_eq!(
-        (sink[0].namespace.as_str(), sink[0].key.as_str()),
-        ("ship", "P-3")
-    );
-    assert_eq!(
-        (sink[0].attempt, sink[0].error.as_str()),
-        (1, "parcel too heavy: 40000 g")
-    );
+    assert_eq!((sink[0].namespace.as_str(), sink[0].key.as_str()), ("ship", "P-3"));
+    assert_eq!((sink[0].attempt, sink[0].error.as_str()), (1, "parcel too heavy: 40000 g"));
 
     // on_terminal replaces the process-wide sink for its handler.
     let err = ship_with_hook(shipment("p-4", 50_000)).await.unwrap_err();
     assert!(err.is_terminal());
     assert_eq!(HOOK.lock().unwrap().len(), 1);
     assert_eq!(HOOK.lock().unwrap()[0].namespace, "ship_with_hook");
-    assert_eq!(
-        SINK.lock().unwrap().len(),
-        1,
-        "the sink is not called twice"
-    );
+    assert_eq!(SINK.lock().unwrap().len(), 1, "the sink is not called twice");
 }

@@ -11,10 +11,7 @@ fn expansions() {
         .output()
         .is_ok_and(|out| out.status.success());
     if !has_expand {
-        assert!(
-            std::env::var_os("CI").is_none(),
-            "CI must install cargo-expand"
-        );
+        assert!(std::env::var_os("CI").is_none(), "CI must install cargo-expand");
         eprintln!("skipped: cargo-expand is not installed (cargo install --locked cargo-expand)");
         return;
     }

@@ -19,11 +19,7 @@ struct OrderPlaced {
 }
 
 fn order(order_id: u64) -> OrderPlaced {
-    OrderPlaced {
-        order_id,
-        customer: Customer { id: 9 },
-        amount_cents: 100,
-    }
+    OrderPlaced { order_id, customer: Customer { id: 9 }, amount_cents: 100 }
 }
 
 #[derive(Debug, thiserror::Error, Classify)]
@@ -50,28 +46,13 @@ async fn free_function(msg: OrderPlaced) -> Result<i64, PayError> {
 
 #[tokio::test]
 async fn free_function_runs_once_per_key() {
-    assert_eq!(
-        free_function(order(1)).await.unwrap(),
-        Outcome::Processed(100)
-    );
+    assert_eq!(free_function(order(1)).await.unwrap(), Outcome::Processed(100));
     assert_eq!(free_function(order(1)).await.unwrap(), Outcome::Duplicate);
-    assert_eq!(
-        free_function(order(2)).await.unwrap(),
-        Outcome::Processed(100)
-    );
+    assert_eq!(free_function(order(2)).await.unwrap(), Outcome::Processed(100));
     assert_eq!(RUNS.load(Ordering::SeqCst), 2);
-    let bad = OrderPlaced {
-        amount_cents: -1,
-        ..order(3)
-    };
+    let bad = OrderPlaced { amount_cents: -1, ..order(3) };
     let err = free_function(bad).await.unwrap_err();
-    assert!(matches!(
-        err,
-        Error::Terminal {
-            error: PayError::InsufficientFunds,
-            ..
-        }
-    ));
+    assert!(matches!(err, Error::Terminal { error: PayError::InsufficientFunds, .. }));
 }
 
 struct Consumer {
@@ -98,30 +79,17 @@ impl Consumer {
 
 #[tokio::test]
 async fn methods_read_self_and_other_arguments() {
-    let c = Consumer {
-        store: Arc::new(MemoryStore::new()),
-        tenant: "acme".into(),
-        runs: 0.into(),
-    };
+    let c = Consumer { store: Arc::new(MemoryStore::new()), tenant: "acme".into(), runs: 0.into() };
     assert_eq!(c.handle(&order(5)).await.unwrap(), Outcome::Processed(5));
     assert_eq!(c.handle(&order(5)).await.unwrap(), Outcome::Duplicate);
     let key = idempotent::Key::new("orders", "acme/5").unwrap();
-    let claim = idempotent::Store::claim(&*c.store, &key, LEASE, LEASE, None)
-        .await
-        .unwrap();
-    assert_eq!(
-        claim,
-        idempotent::Claim::Done,
-        "the key is rendered as the template says"
-    );
+    let claim = idempotent::Store::claim(&*c.store, &key, LEASE, LEASE, None).await.unwrap();
+    assert_eq!(claim, idempotent::Claim::Done, "the key is rendered as the template says");
 
     let err = c.with_args(3, order(6)).await.unwrap_err();
     assert!(matches!(err, Error::Retryable { attempt: 1, .. }));
     let err = c.with_args(3, order(6)).await.unwrap_err();
-    assert!(
-        matches!(err, Error::Retryable { attempt: 2, .. }),
-        "{err:?}"
-    );
+    assert!(matches!(err, Error::Retryable { attempt: 2, .. }), "{err:?}");
     assert_eq!(c.runs.load(Ordering::SeqCst), 3);
 }
 
@@ -176,10 +144,7 @@ async fn io_alias(msg: (u32,), store: Arc<dyn idempotent::Store>) -> std::io::Re
 #[tokio::test]
 async fn one_argument_result_aliases_and_dyn_stores() {
     let store: Arc<dyn idempotent::Store> = Arc::new(MemoryStore::new());
-    assert_eq!(
-        io_alias((1,), store.clone()).await.unwrap(),
-        Outcome::Processed(13)
-    );
+    assert_eq!(io_alias((1,), store.clone()).await.unwrap(), Outcome::Processed(13));
     let err = io_alias((0,), store.clone()).await.unwrap_err();
     assert!(err.is_terminal(), "InvalidData is terminal: {err}");
 }
@@ -194,10 +159,7 @@ async fn no_default_store_is_an_error_not_a_silent_fallback() {
     let err = default_store_unset(order(1)).await.unwrap_err();
     assert!(matches!(
         err,
-        Error::Store {
-            error: idempotent::StoreError::NotConfigured,
-            handler_ran: false
-        }
+        Error::Store { error: idempotent::StoreError::NotConfigured, handler_ran: false }
     ));
 }
 
@@ -209,9 +171,7 @@ async fn an_empty_placeholder_is_a_key_error_and_runs_nothing() {
     let err = by_name(String::new()).await.unwrap_err();
     assert!(matches!(
         err,
-        Error::Key(idempotent::KeyError::EmptyPlaceholder {
-            placeholder: "name"
-        })
+        Error::Key(idempotent::KeyError::EmptyPlaceholder { placeholder: "name" })
     ));
     assert_eq!(err.disposition(), idempotent::Disposition::DeadLetter);
 }

@@ -23,16 +23,8 @@ async fn values_are_keyed_by_pointer_and_numbers_canonically() {
     let first = from_value(json!({"order": {"id": 1}})).await.unwrap();
     assert!(first.is_processed());
     // 1 and 1.0 are the same number, so the same key.
-    assert_eq!(
-        from_value(json!({"order": {"id": 1.0}})).await.unwrap(),
-        Outcome::Duplicate
-    );
-    assert!(
-        from_value(json!({"order": {"id": "1x"}}))
-            .await
-            .unwrap()
-            .is_processed()
-    );
+    assert_eq!(from_value(json!({"order": {"id": 1.0}})).await.unwrap(), Outcome::Duplicate);
+    assert!(from_value(json!({"order": {"id": "1x"}})).await.unwrap().is_processed());
 }
 
 #[idempotent(key = "{/id}", store = STORE, namespace = "bad_input")]
@@ -45,85 +37,24 @@ async fn from_bytes(msg: &[u8]) {
 async fn bad_payloads_are_key_errors_that_run_nothing() {
     type Expect = fn(&KeyError) -> bool;
     let cases: [(&[u8], Expect); 8] = [
-        (b"not json", |e| {
-            matches!(e, KeyError::NotJson { pointer: "/id", .. })
-        }),
+        (b"not json", |e| matches!(e, KeyError::NotJson { pointer: "/id", .. })),
         (b"", |e| matches!(e, KeyError::NotJson { .. })),
-        (br#"{"other": 1}"#, |e| {
-            matches!(
-                e,
-                KeyError::Pointer {
-                    why: Unusable::Missing,
-                    ..
-                }
-            )
-        }),
-        (br#"{"id": null}"#, |e| {
-            matches!(
-                e,
-                KeyError::Pointer {
-                    why: Unusable::Null,
-                    ..
-                }
-            )
-        }),
-        (br#"{"id": ""}"#, |e| {
-            matches!(
-                e,
-                KeyError::Pointer {
-                    why: Unusable::EmptyString,
-                    ..
-                }
-            )
-        }),
-        (br#"{"id": true}"#, |e| {
-            matches!(
-                e,
-                KeyError::Pointer {
-                    why: Unusable::Bool,
-                    ..
-                }
-            )
-        }),
-        (br#"{"id": {"a": 1}}"#, |e| {
-            matches!(
-                e,
-                KeyError::Pointer {
-                    why: Unusable::Object,
-                    ..
-                }
-            )
-        }),
-        (br#"{"id": [1]}"#, |e| {
-            matches!(
-                e,
-                KeyError::Pointer {
-                    why: Unusable::Array,
-                    ..
-                }
-            )
-        }),
+        (br#"{"other": 1}"#, |e| matches!(e, KeyError::Pointer { why: Unusable::Missing, .. })),
+        (br#"{"id": null}"#, |e| matches!(e, KeyError::Pointer { why: Unusable::Null, .. })),
+        (br#"{"id": ""}"#, |e| matches!(e, KeyError::Pointer { why: Unusable::EmptyString, .. })),
+        (br#"{"id": true}"#, |e| matches!(e, KeyError::Pointer { why: Unusable::Bool, .. })),
+        (br#"{"id": {"a": 1}}"#, |e| matches!(e, KeyError::Pointer { why: Unusable::Object, .. })),
+        (br#"{"id": [1]}"#, |e| matches!(e, KeyError::Pointer { why: Unusable::Array, .. })),
     ];
     let before = RUNS.load(Ordering::SeqCst);
     for (payload, expected) in cases {
         let err = from_bytes(payload).await.unwrap_err();
-        let Error::Key(key_error) = &err else {
-            panic!("{err:?}")
-        };
-        assert!(
-            expected(key_error),
-            "{}: {key_error}",
-            String::from_utf8_lossy(payload)
-        );
+        let Error::Key(key_error) = &err else { panic!("{err:?}") };
+        assert!(expected(key_error), "{}: {key_error}", String::from_utf8_lossy(payload));
         assert_eq!(err.disposition(), Disposition::DeadLetter);
     }
     assert_eq!(RUNS.load(Ordering::SeqCst), before, "no handler ran");
-    assert!(
-        from_bytes(br#"{"id": "a b"}"#)
-            .await
-            .unwrap()
-            .is_processed()
-    );
+    assert!(from_bytes(br#"{"id": "a b"}"#).await.unwrap().is_processed());
 }
 
 #[idempotent(key = "{/id}", store = STORE, namespace = "every_type")]
@@ -140,14 +71,9 @@ async fn every_payload_type_renders_the_same_key() {
     let body = r#"{"id": 77}"#;
     assert!(from_string(body.to_owned()).await.unwrap().is_processed());
     assert_eq!(from_str(body).await.unwrap(), Outcome::Duplicate);
+    assert_eq!(from_vec(body.as_bytes().to_vec()).await.unwrap(), Outcome::Duplicate);
     assert_eq!(
-        from_vec(body.as_bytes().to_vec()).await.unwrap(),
-        Outcome::Duplicate
-    );
-    assert_eq!(
-        from_buf(bytes::Bytes::from_static(br#"{"id":77}"#))
-            .await
-            .unwrap(),
+        from_buf(bytes::Bytes::from_static(br#"{"id":77}"#)).await.unwrap(),
         Outcome::Duplicate
     );
 }
@@ -200,31 +126,19 @@ struct Receipt {
 #[idempotent(key = "{/order}", store = STORE, cache)]
 async fn charge(msg: Value) -> Result<Receipt, std::io::Error> {
     RUNS.fetch_add(1, Ordering::SeqCst);
-    Ok(Receipt {
-        order: msg["order"].as_u64().unwrap_or(0),
-        charged_cents: 500,
-    })
+    Ok(Receipt { order: msg["order"].as_u64().unwrap_or(0), charged_cents: 500 })
 }
 
 #[tokio::test]
 async fn cached_results_are_replayed_to_duplicates() {
     let before = RUNS.load(Ordering::SeqCst);
-    let receipt = Receipt {
-        order: 9,
-        charged_cents: 500,
-    };
+    let receipt = Receipt { order: 9, charged_cents: 500 };
     assert_eq!(
         charge(json!({"order": 9})).await.unwrap(),
         Outcome::Processed(Receipt { ..receipt })
     );
     let again = charge(json!({"order": 9})).await.unwrap();
-    assert_eq!(
-        again,
-        Outcome::Replayed(Receipt {
-            order: 9,
-            charged_cents: 500
-        })
-    );
+    assert_eq!(again, Outcome::Replayed(Receipt { order: 9, charged_cents: 500 }));
     assert_eq!(again.disposition(), Disposition::Ack);
     assert_eq!(RUNS.load(Ordering::SeqCst), before + 1);
 }

@@ -39,9 +39,9 @@ where
     let deadline = Instant::now() + Duration::from_secs(15);
     loop {
         match call().await {
-            Err(Error::Store {
-                handler_ran: false, ..
-            }) if Instant::now() < deadline => tokio::time::sleep(Duration::from_millis(100)).await,
+            Err(Error::Store { handler_ran: false, .. }) if Instant::now() < deadline => {
+                tokio::time::sleep(Duration::from_millis(100)).await
+            }
             other => return other,
         }
     }
@@ -57,19 +57,8 @@ fn redis_killed_before_claim() {
         let runs = AtomicU32::new(0);
         let store = RedisStore::connect(server.url()).await.unwrap();
         server.kill();
-        let err = counted(Order { order_id: 1 }, &store, &runs)
-            .await
-            .unwrap_err();
-        assert!(
-            matches!(
-                err,
-                Error::Store {
-                    handler_ran: false,
-                    ..
-                }
-            ),
-            "{err}"
-        );
+        let err = counted(Order { order_id: 1 }, &store, &runs).await.unwrap_err();
+        assert!(matches!(err, Error::Store { handler_ran: false, .. }), "{err}");
         assert_eq!(err.disposition(), idempotent::Disposition::Retry);
         assert_eq!(runs.load(Ordering::SeqCst), 0, "the handler must not run");
 
@@ -113,16 +102,7 @@ fn redis_killed_between_claim_and_complete() {
         };
         let (first, ()) = tokio::join!(first, crash);
         let err = first.unwrap_err();
-        assert!(
-            matches!(
-                err,
-                Error::Store {
-                    handler_ran: true,
-                    ..
-                }
-            ),
-            "{err}"
-        );
+        assert!(matches!(err, Error::Store { handler_ran: true, .. }), "{err}");
         assert_eq!(RUNS.load(Ordering::SeqCst), 1);
 
         // The claim survived the restart (append-only file): until its lease runs out
@@ -134,11 +114,7 @@ fn redis_killed_between_claim_and_complete() {
         tokio::time::sleep(Duration::from_millis(1_200)).await;
         let out =
             redeliver_until_store_answers(|| handle(Order { order_id: 7 }, &store, false)).await;
-        assert_eq!(
-            out.unwrap(),
-            Outcome::Processed(()),
-            "the message is not lost"
-        );
+        assert_eq!(out.unwrap(), Outcome::Processed(()), "the message is not lost");
         assert_eq!(RUNS.load(Ordering::SeqCst), 2);
     });
 }
@@ -168,9 +144,7 @@ fn connections_dropped_and_restored_mid_stream() {
             loop {
                 match handle(Order { order_id: id }, &store).await {
                     Ok(Outcome::Processed(())) | Ok(Outcome::Duplicate) => break,
-                    Err(Error::Store {
-                        handler_ran: false, ..
-                    }) => store_errors += 1,
+                    Err(Error::Store { handler_ran: false, .. }) => store_errors += 1,
                     other => panic!("order {id}: {other:?}"),
                 }
             }

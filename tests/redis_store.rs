@@ -25,9 +25,7 @@ fn cluster_passes_the_store_suite() {
     }
     let cluster = RedisCluster::start();
     block_on(async {
-        let store = RedisStore::cluster(cluster.urls())
-            .await
-            .expect("cluster reachable");
+        let store = RedisStore::cluster(cluster.urls()).await.expect("cluster reachable");
         testing::first_delivery_success(&store).await;
         testing::duplicate_within_ttl(&store).await;
         testing::in_progress_elsewhere(&store).await;
@@ -127,10 +125,7 @@ fn awkward_keys_are_distinct_and_deduplicated() {
             format!("sha256:{}", hex_sha256(long_a.as_bytes())).into_bytes(),
             "订单:42".as_bytes().to_vec(),
         ];
-        let keys: Vec<Key> = ids
-            .iter()
-            .map(|id| Key::new(&namespace, id).unwrap())
-            .collect();
+        let keys: Vec<Key> = ids.iter().map(|id| Key::new(&namespace, id).unwrap()).collect();
         let (lease, ttl) = (testing::LEASE, testing::TTL);
         for (i, key) in keys.iter().enumerate() {
             let Claim::Won { token, attempt: 1 } =
@@ -141,11 +136,7 @@ fn awkward_keys_are_distinct_and_deduplicated() {
             let _ = store.complete(key, token, ttl, None).await.unwrap();
         }
         for key in &keys {
-            assert_eq!(
-                store.claim(key, lease, ttl, None).await.unwrap(),
-                Claim::Done,
-                "{key}"
-            );
+            assert_eq!(store.claim(key, lease, ttl, None).await.unwrap(), Claim::Done, "{key}");
         }
         let redis_key = store.redis_key(&keys[5]);
         assert!(redis_key.len() < 200, "long ids are hashed");
@@ -154,8 +145,5 @@ fn awkward_keys_are_distinct_and_deduplicated() {
 
 fn hex_sha256(bytes: &[u8]) -> String {
     use sha2::Digest;
-    sha2::Sha256::digest(bytes)
-        .iter()
-        .map(|b| format!("{b:02x}"))
-        .collect()
+    sha2::Sha256::digest(bytes).iter().map(|b| format!("{b:02x}")).collect()
 }

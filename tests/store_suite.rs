@@ -26,10 +26,7 @@ fn memory_store_releases_a_dropped_future_at_once() {
             _ = handler => unreachable!(),
             _ = started.notified() => {}
         }
-        let claim = store
-            .claim(&key, testing::LEASE, testing::TTL, None)
-            .await
-            .unwrap();
+        let claim = store.claim(&key, testing::LEASE, testing::TTL, None).await.unwrap();
         assert!(matches!(claim, Claim::Won { attempt: 2, .. }), "{claim:?}");
     })
 }

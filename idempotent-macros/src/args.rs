@@ -46,10 +46,7 @@ impl<T> Default for Once<T> {
 impl<T> Once<T> {
     fn set(&mut self, name: &Ident, value: T, errors: &mut Errors) {
         if self.0.is_some() {
-            errors.at(
-                name.span(),
-                format_args!("duplicate argument `{name}`: give it once"),
-            );
+            errors.at(name.span(), format_args!("duplicate argument `{name}`: give it once"));
         } else {
             self.0 = Some((name.span(), value));
         }
@@ -100,10 +97,7 @@ impl Args {
     pub fn parse(&mut self, meta: ParseNestedMeta, errors: &mut Errors) -> syn::Result<()> {
         let Some(name) = meta.path.get_ident().cloned() else {
             skip_value(&meta)?;
-            errors.at(
-                meta.path.span(),
-                format_args!("unknown argument; expected one of: {KNOWN}"),
-            );
+            errors.at(meta.path.span(), format_args!("unknown argument; expected one of: {KNOWN}"));
             return Ok(());
         };
         if name == "key" || name == "key_fn" {
@@ -126,19 +120,8 @@ impl Args {
                 let expr: Expr = meta.value()?.parse()?;
                 match duration(&expr, &name) {
                     Ok(ms) => {
-                        let slot = if name == "ttl" {
-                            &mut self.ttl
-                        } else {
-                            &mut self.lease
-                        };
-                        slot.set(
-                            &name,
-                            Millis {
-                                ms,
-                                span: expr.span(),
-                            },
-                            errors,
-                        );
+                        let slot = if name == "ttl" { &mut self.ttl } else { &mut self.lease };
+                        slot.set(&name, Millis { ms, span: expr.span() }, errors);
                     }
                     Err(e) => errors.push(e),
                 }
@@ -220,14 +203,11 @@ impl Args {
                 let value = if meta.input.peek(syn::Token![=]) {
                     match meta.value()?.parse::<Expr>()? {
                         Expr::Lit(syn::ExprLit {
-                            lit: Lit::Bool(LitBool { value, .. }),
-                            ..
+                            lit: Lit::Bool(LitBool { value, .. }), ..
                         }) => Some(value),
                         other => {
-                            errors.at(
-                                other.span(),
-                                format_args!("`{name}` takes `true` or `false`"),
-                            );
+                            errors
+                                .at(other.span(), format_args!("`{name}` takes `true` or `false`"));
                             None
                         }
                     }
@@ -235,11 +215,7 @@ impl Args {
                     Some(true)
                 };
                 if let Some(value) = value {
-                    let slot = if name == "cache" {
-                        &mut self.cache
-                    } else {
-                        &mut self.validate
-                    };
+                    let slot = if name == "cache" { &mut self.cache } else { &mut self.validate };
                     slot.set(&name, value, errors);
                 }
             }
@@ -272,9 +248,7 @@ fn string(
 ) -> syn::Result<Option<LitStr>> {
     let expr: Expr = meta.value()?.parse()?;
     Ok(match expr {
-        Expr::Lit(syn::ExprLit {
-            lit: Lit::Str(lit), ..
-        }) => Some(lit),
+        Expr::Lit(syn::ExprLit { lit: Lit::Str(lit), .. }) => Some(lit),
         other => {
             errors.at(other.span(), format_args!("`{name}` takes {example}"));
             None
@@ -284,9 +258,7 @@ fn string(
 
 fn int_literal(expr: &Expr) -> Option<&LitInt> {
     match expr {
-        Expr::Lit(syn::ExprLit {
-            lit: Lit::Int(lit), ..
-        }) => Some(lit),
+        Expr::Lit(syn::ExprLit { lit: Lit::Int(lit), .. }) => Some(lit),
         _ => None,
     }
 }
@@ -302,16 +274,14 @@ fn duration(expr: &Expr, name: &Ident) -> syn::Result<u64> {
         "`{name}` takes whole seconds (`{name} = 600`) or a string with units (`{name} = \"500ms\"`, `\"10m\"`, `\"1h30m\"`; units ms, s, m, h, d)"
     );
     let ms = match expr {
-        Expr::Lit(syn::ExprLit {
-            lit: Lit::Int(lit), ..
-        }) => lit
+        Expr::Lit(syn::ExprLit { lit: Lit::Int(lit), .. }) => lit
             .base10_parse::<u64>()
             .ok()
             .and_then(|s| s.checked_mul(1000))
             .ok_or_else(|| syn::Error::new(lit.span(), &usage))?,
-        Expr::Lit(syn::ExprLit {
-            lit: Lit::Str(lit), ..
-        }) => parse_duration(&lit.value()).ok_or_else(|| syn::Error::new(lit.span(), &usage))?,
+        Expr::Lit(syn::ExprLit { lit: Lit::Str(lit), .. }) => {
+            parse_duration(&lit.value()).ok_or_else(|| syn::Error::new(lit.span(), &usage))?
+        }
         other => return Err(syn::Error::new(other.span(), usage)),
     };
     if ms == 0 {
@@ -331,17 +301,13 @@ fn parse_duration(text: &str) -> Option<u64> {
     }
     let mut total: u64 = 0;
     while !rest.is_empty() {
-        let digits = rest
-            .find(|c: char| !c.is_ascii_digit())
-            .unwrap_or(rest.len());
+        let digits = rest.find(|c: char| !c.is_ascii_digit()).unwrap_or(rest.len());
         if digits == 0 {
             return None;
         }
         let number: u64 = rest[..digits].parse().ok()?;
         rest = &rest[digits..];
-        let unit_len = rest
-            .find(|c: char| c.is_ascii_digit())
-            .unwrap_or(rest.len());
+        let unit_len = rest.find(|c: char| c.is_ascii_digit()).unwrap_or(rest.len());
         let factor = match &rest[..unit_len] {
             "ms" => 1,
             "s" => 1_000,

@@ -32,11 +32,8 @@ pub fn derive(item: TokenStream) -> TokenStream {
             // An impl that type-checks, so each use of the type does not add its own
             // "does not implement Classify" to the real errors.
             let errors = e.to_compile_error();
-            let fallback = implement(
-                &input,
-                &default_crate(&input),
-                quote!(::core::unreachable!()),
-            );
+            let fallback =
+                implement(&input, &default_crate(&input), quote!(::core::unreachable!()));
             quote!(#errors #fallback)
         }
     }
@@ -64,10 +61,7 @@ fn implement(input: &DeriveInput, krate: &Path, body: TokenStream) -> TokenStrea
 fn expand(input: &DeriveInput) -> syn::Result<TokenStream> {
     let mut errors = Errors::default();
     let top = marks(&input.attrs, true, &mut errors);
-    let krate = top
-        .krate
-        .clone()
-        .unwrap_or_else(|| parse_quote!(::idempotent));
+    let krate = top.krate.clone().unwrap_or_else(|| parse_quote!(::idempotent));
     let class = |mark: &Mark, fields: &Fields, span: Span, errors: &mut Errors| match mark {
         Mark::Retryable => quote!(#krate::ErrorClass::Retryable),
         Mark::Terminal => quote!(#krate::ErrorClass::Terminal),
@@ -137,10 +131,7 @@ fn expand(input: &DeriveInput) -> syn::Result<TokenStream> {
             }
         },
         Data::Union(u) => {
-            errors.at(
-                u.union_token.span(),
-                "#[derive(Classify)] supports enums and structs",
-            );
+            errors.at(u.union_token.span(), "#[derive(Classify)] supports enums and structs");
             quote!(::core::unreachable!())
         }
     };
@@ -150,10 +141,7 @@ fn expand(input: &DeriveInput) -> syn::Result<TokenStream> {
 
 /// Reads `#[idempotent(...)]` marks. `crate = path` is accepted on the type only.
 fn marks(attrs: &[Attribute], top: bool, errors: &mut Errors) -> Marks {
-    let mut marks = Marks {
-        mark: None,
-        krate: None,
-    };
+    let mut marks = Marks { mark: None, krate: None };
     for attr in attrs.iter().filter(|a| a.path().is_ident("idempotent")) {
         let result = attr.parse_nested_meta(|meta| {
             let span = meta.path.span();

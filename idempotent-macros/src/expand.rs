@@ -89,10 +89,7 @@ enum KeyPart {
 impl Handler {
     fn check(mut args: Args, func: &ItemFn, mut errors: Errors) -> syn::Result<Handler> {
         let sig = &func.sig;
-        let krate = args
-            .krate
-            .take()
-            .unwrap_or_else(|| parse_quote!(::idempotent));
+        let krate = args.krate.take().unwrap_or_else(|| parse_quote!(::idempotent));
         if sig.asyncness.is_none() {
             errors.at(
                 sig.fn_token.span,
@@ -101,10 +98,7 @@ impl Handler {
             );
         }
         if let Some(variadic) = &sig.variadic {
-            errors.at(
-                variadic.span(),
-                "#[idempotent] does not support variadic functions",
-            );
+            errors.at(variadic.span(), "#[idempotent] does not support variadic functions");
         }
 
         // Named arguments, in order; `self` is never the message.
@@ -239,10 +233,7 @@ impl Handler {
             }
             _ => None,
         };
-        let cache = args
-            .cache
-            .span()
-            .filter(|_| args.cache.get() == Some(&true));
+        let cache = args.cache.span().filter(|_| args.cache.get() == Some(&true));
         if needs_message && !message_rejected {
             if let Some(e) = no_message.take() {
                 errors.push(e);
@@ -285,10 +276,9 @@ impl Handler {
 
         let returns = returns(&sig.output, &krate);
         if let Returns::Infallible { .. } = returns {
-            for (name, span) in [
-                ("classify", args.classify.span()),
-                ("on_terminal", args.on_terminal.span()),
-            ] {
+            for (name, span) in
+                [("classify", args.classify.span()), ("on_terminal", args.on_terminal.span())]
+            {
                 if let Some(span) = span {
                     errors.at(
                         span,
@@ -307,10 +297,7 @@ impl Handler {
             namespace,
             ttl_ms,
             lease_ms,
-            max_attempts: args
-                .max_attempts
-                .get()
-                .map_or(DEFAULT_MAX_ATTEMPTS, |(n, _)| *n),
+            max_attempts: args.max_attempts.get().map_or(DEFAULT_MAX_ATTEMPTS, |(n, _)| *n),
             store: args.store.take(),
             classify: args.classify.take(),
             on_terminal: args.on_terminal.take(),
@@ -323,14 +310,7 @@ impl Handler {
     }
 
     fn expand(self, mut func: ItemFn) -> TokenStream {
-        let Handler {
-            krate,
-            namespace,
-            ttl_ms,
-            lease_ms,
-            max_attempts,
-            ..
-        } = &self;
+        let Handler { krate, namespace, ttl_ms, lease_ms, max_attempts, .. } = &self;
         let private = quote!(#krate::__private);
         let key_var = Ident::new("__idempotent_key", Span::mixed_site());
         let store_var = Ident::new("__idempotent_store", Span::mixed_site());
@@ -456,9 +436,7 @@ fn body_block(func: &ItemFn) -> TokenStream {
 }
 
 fn mentions_impl_trait(ty: &Type) -> bool {
-    quote!(#ty)
-        .into_iter()
-        .any(|t| matches!(t, proc_macro2::TokenTree::Ident(i) if i == "impl"))
+    quote!(#ty).into_iter().any(|t| matches!(t, proc_macro2::TokenTree::Ident(i) if i == "impl"))
 }
 
 fn returns(output: &ReturnType, krate: &syn::Path) -> Returns {
@@ -480,10 +458,7 @@ fn returns(output: &ReturnType, krate: &syn::Path) -> Returns {
                         .collect();
                     match types.as_slice() {
                         [ok, err] => {
-                            return Returns::Fallible {
-                                ok: quote!(#ok),
-                                err: quote!(#err),
-                            };
+                            return Returns::Fallible { ok: quote!(#ok), err: quote!(#err) };
                         }
                         [_] => {
                             let parts = quote!(<#ty as #krate::__private::HandlerResult>);
@@ -580,9 +555,5 @@ fn respan(tokens: TokenStream, span: Span) -> TokenStream {
 
 /// `90000` → `"90s"`, for messages.
 fn human(ms: u64) -> String {
-    if ms % 1000 == 0 {
-        format!("{}s", ms / 1000)
-    } else {
-        format!("{ms}ms")
-    }
+    if ms % 1000 == 0 { format!("{}s", ms / 1000) } else { format!("{ms}ms") }
 }

@@ -73,18 +73,13 @@ pub fn parse(lit: &LitStr) -> syn::Result<Vec<Segment>> {
 
 fn placeholder(inner: &str) -> Result<Vec<String>, String> {
     if inner.is_empty() {
-        return Err(
-            "empty placeholder `{}` in the key template: name a field of the message, \
+        return Err("empty placeholder `{}` in the key template: name a field of the message, \
                     e.g. `{order_id}`, or another argument, e.g. `{tenant}`"
-                .to_owned(),
-        );
+            .to_owned());
     }
     let parts: Vec<String> = inner.split('.').map(str::to_owned).collect();
     let valid = |p: &String| {
-        let ident = p
-            .chars()
-            .next()
-            .is_some_and(|c| c == '_' || c.is_alphabetic())
+        let ident = p.chars().next().is_some_and(|c| c == '_' || c.is_alphabetic())
             && p.chars().all(|c| c == '_' || c.is_alphanumeric());
         let index = !p.is_empty() && p.chars().all(|c| c.is_ascii_digit());
         (ident && p != "_") || index
@@ -159,24 +154,12 @@ mod tests {
     #[test]
     fn mistakes() {
         assert!(segments("order").unwrap_err().contains("no placeholder"));
-        assert!(
-            segments("{{order}}")
-                .unwrap_err()
-                .contains("no placeholder")
-        );
+        assert!(segments("{{order}}").unwrap_err().contains("no placeholder"));
         assert!(segments("a{}").unwrap_err().contains("empty placeholder"));
         assert!(segments("a{b").unwrap_err().contains("unclosed"));
         assert!(segments("a}b{c}").unwrap_err().contains("unmatched"));
-        assert!(
-            segments("{/a~2b}")
-                .unwrap_err()
-                .contains("not a valid JSON pointer")
-        );
-        assert!(
-            segments("{/a//b}")
-                .unwrap_err()
-                .contains("empty JSON member")
-        );
+        assert!(segments("{/a~2b}").unwrap_err().contains("not a valid JSON pointer"));
+        assert!(segments("{/a//b}").unwrap_err().contains("empty JSON member"));
         assert!(segments("{ a }").unwrap_err().contains("not a field path"));
         assert!(segments("{a..b}").unwrap_err().contains("not a field path"));
         assert!(segments("{a-b}").unwrap_err().contains("not a field path"));

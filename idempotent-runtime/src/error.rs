@@ -141,26 +141,15 @@ impl<E: fmt::Display> fmt::Display for Error<E> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             Error::Retryable { error, attempt } => {
-                write!(
-                    f,
-                    "handler failed on attempt {attempt} (retryable, key released): {error}"
-                )
+                write!(f, "handler failed on attempt {attempt} (retryable, key released): {error}")
             }
-            Error::Terminal {
-                error,
-                attempt,
-                exhausted: false,
-            } => {
+            Error::Terminal { error, attempt, exhausted: false } => {
                 write!(
                     f,
                     "handler failed on attempt {attempt} (terminal, key kept as failed): {error}"
                 )
             }
-            Error::Terminal {
-                error,
-                attempt,
-                exhausted: true,
-            } => {
+            Error::Terminal { error, attempt, exhausted: true } => {
                 write!(
                     f,
                     "handler failed on attempt {attempt}, the last allowed (key kept as failed): {error}"
@@ -174,22 +163,13 @@ impl<E: fmt::Display> fmt::Display for Error<E> {
                 write!(f, "key already failed for good after {attempts} attempt(s)")
             }
             Error::Panicked { message, attempt } => {
-                write!(
-                    f,
-                    "handler panicked on attempt {attempt} (key released): {message}"
-                )
+                write!(f, "handler panicked on attempt {attempt} (key released): {message}")
             }
             Error::Key(e) => write!(f, "idempotency key could not be built: {e}"),
-            Error::Store {
-                error,
-                handler_ran: false,
-            } => {
+            Error::Store { error, handler_ran: false } => {
                 write!(f, "store failed before the handler ran: {error}")
             }
-            Error::Store {
-                error,
-                handler_ran: true,
-            } => write!(
+            Error::Store { error, handler_ran: true } => write!(
                 f,
                 "store failed after the handler ran; its result was not recorded: {error}"
             ),

@@ -37,17 +37,10 @@ impl Spec {
     /// renewals, and `max_attempts` attempts. A lease under [`Spec::MIN_LEASE`] is
     /// raised to it; `max_attempts` is at least 1.
     pub const fn new(ttl: Duration, lease: Duration, max_attempts: u32) -> Spec {
-        let lease = if lease.as_nanos() < Spec::MIN_LEASE.as_nanos() {
-            Spec::MIN_LEASE
-        } else {
-            lease
-        };
+        let lease =
+            if lease.as_nanos() < Spec::MIN_LEASE.as_nanos() { Spec::MIN_LEASE } else { lease };
         let max_attempts = if max_attempts == 0 { 1 } else { max_attempts };
-        Spec {
-            ttl,
-            lease,
-            max_attempts,
-        }
+        Spec { ttl, lease, max_attempts }
     }
 
     /// How long a DONE or FAILED record is kept.
@@ -88,12 +81,7 @@ pub struct Call<C = NoCache> {
 impl Call {
     /// A delivery whose key is `key`, run with `spec`.
     pub fn new(spec: Spec, key: Result<Key, KeyError>) -> Call {
-        Call {
-            spec,
-            key,
-            fingerprint: None,
-            cache: NoCache,
-        }
+        Call { spec, key, fingerprint: None, cache: NoCache }
     }
 }
 
@@ -111,22 +99,9 @@ impl<C> Call<C> {
     where
         T: serde::Serialize + serde::de::DeserializeOwned,
     {
-        let Call {
-            spec,
-            key,
-            fingerprint,
-            ..
-        } = self;
-        let cache = JsonCache {
-            encode: encode_json::<T>,
-            decode: decode_json::<T>,
-        };
-        Call {
-            spec,
-            key,
-            fingerprint,
-            cache,
-        }
+        let Call { spec, key, fingerprint, .. } = self;
+        let cache = JsonCache { encode: encode_json::<T>, decode: decode_json::<T> };
+        Call { spec, key, fingerprint, cache }
     }
 }
 
@@ -228,16 +203,9 @@ where
     HF: Future<Output = ()>,
     F: Future<Output = Result<T, E>>,
 {
-    let Call {
-        spec,
-        key,
-        fingerprint,
-        cache,
-    } = call;
+    let Call { spec, key, fingerprint, cache } = call;
     let key = key.map_err(Error::Key)?;
-    let answer = store
-        .claim(&key, spec.lease, spec.ttl, fingerprint.as_ref())
-        .await;
+    let answer = store.claim(&key, spec.lease, spec.ttl, fingerprint.as_ref()).await;
     let (token, attempt) = match answer {
         Ok(Claim::Won { token, attempt }) => (token, attempt),
         Ok(Claim::Done) => return Ok(Outcome::Duplicate),
@@ -252,39 +220,22 @@ where
         Ok(Claim::InProgress) => return Ok(Outcome::InProgress),
         Ok(Claim::Failed { attempts }) => return Err(Error::PreviouslyFailed { attempts }),
         Err(error) => {
-            return Err(Error::Store {
-                error,
-                handler_ran: false,
-            });
+            return Err(Error::Store { error, handler_ran: false });
         }
     };
-    let claim = HeldClaim {
-        spec,
-        store,
-        key: &key,
-        token,
-    };
+    let claim = HeldClaim { spec, store, key: &key, token };
 
     if attempt > spec.max_attempts {
         // Every allowed attempt was started and none finished (each crashed, panicked
         // or was cancelled). Stop the loop here instead of running the handler again.
         let attempts = attempt - 1;
         claim.fail("earlier attempts never finished").await;
-        let event = claim.event(
-            attempts,
-            true,
-            format!("{attempts} attempt(s) never finished"),
-        );
+        let event = claim.event(attempts, true, format!("{attempts} attempt(s) never finished"));
         alert(on_terminal, event).await;
         return Err(Error::Abandoned { attempts });
     }
 
-    let abandon = AbandonOnDrop {
-        store,
-        key: &key,
-        token,
-        armed: true,
-    };
+    let abandon = AbandonOnDrop { store, key: &key, token, armed: true };
     let finished = with_renewal(&claim, AssertUnwindSafe(body).catch_unwind()).await;
     abandon.disarm();
 
@@ -300,10 +251,7 @@ where
                     Err(reason) => Err(Error::Cache { reason }),
                 },
                 Ok(Transition::LeaseLost) => Err(Error::LeaseLost { attempt }),
-                Err(error) => Err(Error::Store {
-                    error,
-                    handler_ran: true,
-                }),
+                Err(error) => Err(Error::Store { error, handler_ran: true }),
             }
         }
         Ok(Err(error)) => {
@@ -319,11 +267,7 @@ where
             let message = catch_unwind(AssertUnwindSafe(|| error.to_string()))
                 .unwrap_or_else(|_| "(the error's Display implementation panicked)".to_owned());
             alert(on_terminal, claim.event(attempt, retryable, message)).await;
-            Err(Error::Terminal {
-                error,
-                attempt,
-                exhausted: retryable,
-            })
+            Err(Error::Terminal { error, attempt, exhausted: retryable })
         }
         Err(panic) => {
             claim.release().await;
@@ -359,14 +303,7 @@ where
     F: Future<Output = T>,
 {
     let body = body.map(Ok);
-    run(
-        call,
-        store,
-        |e| match *e {},
-        crate::alert::process_sink,
-        body,
-    )
-    .await
+    run(call, store, |e| match *e {}, crate::alert::process_sink, body).await
 }
 
 /// A claim this call won, and the transitions that end it.

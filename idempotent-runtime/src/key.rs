@@ -49,15 +49,9 @@ impl Key {
             return Err(KeyError::Empty);
         }
         if bytes.len() > MAX_KEY_LEN {
-            return Err(KeyError::TooLong {
-                len: bytes.len(),
-                max: MAX_KEY_LEN,
-            });
+            return Err(KeyError::TooLong { len: bytes.len(), max: MAX_KEY_LEN });
         }
-        Ok(Key {
-            bytes,
-            namespace_len,
-        })
+        Ok(Key { bytes, namespace_len })
     }
 
     /// The namespace part.
@@ -113,11 +107,7 @@ impl KeyBuilder {
         let mut buf = String::with_capacity(namespace.len() + 32);
         buf.push_str(namespace);
         buf.push(':');
-        KeyBuilder {
-            buf,
-            namespace_len: namespace.len(),
-            error: None,
-        }
+        KeyBuilder { buf, namespace_len: namespace.len(), error: None }
     }
 
     /// Appends literal text from the template.
@@ -147,10 +137,7 @@ impl KeyBuilder {
             return;
         }
         self.error = match document.value() {
-            Err(reason) => Some(KeyError::NotJson {
-                pointer,
-                reason: reason.to_owned(),
-            }),
+            Err(reason) => Some(KeyError::NotJson { pointer, reason: reason.to_owned() }),
             Ok(value) => render(value, pointer, &mut self.buf)
                 .err()
                 .map(|why| KeyError::Pointer { pointer, why }),
@@ -184,21 +171,13 @@ mod tests {
         let mut k = KeyBuilder::new("ns");
         k.text("order:");
         k.field("order_id", "");
-        assert_eq!(
-            k.finish(),
-            Err(KeyError::EmptyPlaceholder {
-                placeholder: "order_id"
-            })
-        );
+        assert_eq!(k.finish(), Err(KeyError::EmptyPlaceholder { placeholder: "order_id" }));
     }
 
     #[test]
     fn too_long_and_empty_keys_are_errors() {
         let long = "x".repeat(MAX_KEY_LEN);
-        assert!(matches!(
-            Key::new("ns", &long),
-            Err(KeyError::TooLong { .. })
-        ));
+        assert!(matches!(Key::new("ns", &long), Err(KeyError::TooLong { .. })));
         assert_eq!(Key::new("ns", ""), Err(KeyError::Empty));
     }
 

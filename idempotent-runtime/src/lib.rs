@@ -16,6 +16,8 @@
 
 pub mod alert;
 mod classify;
+#[cfg(feature = "redis-streams")]
+pub mod consume;
 mod error;
 pub mod execute;
 mod key;

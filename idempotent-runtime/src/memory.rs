@@ -77,9 +77,7 @@ impl Default for MemoryStore {
 
 impl std::fmt::Debug for MemoryStore {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("MemoryStore")
-            .field("records", &self.len())
-            .finish()
+        f.debug_struct("MemoryStore").field("records", &self.len()).finish()
     }
 }
 
@@ -89,13 +87,7 @@ impl MemoryStore {
         let now = Instant::now();
         MemoryStore {
             shards: (0..SHARDS)
-                .map(|_| {
-                    Mutex::new(Shard {
-                        records: HashMap::new(),
-                        writes: 0,
-                        swept_at: now,
-                    })
-                })
+                .map(|_| Mutex::new(Shard { records: HashMap::new(), writes: 0, swept_at: now }))
                 .collect(),
             hasher: RandomState::new(),
         }
@@ -139,14 +131,12 @@ impl MemoryStore {
         token: Token,
         apply: impl FnOnce(&mut Record, Instant),
     ) -> Transition {
-        self.with_record(key, |shard, now| {
-            match shard.records.get_mut(key.as_bytes()) {
-                Some(record) if record.expires_at > now && record.holds(token) => {
-                    apply(record, now);
-                    Transition::Applied
-                }
-                _ => Transition::LeaseLost,
+        self.with_record(key, |shard, now| match shard.records.get_mut(key.as_bytes()) {
+            Some(record) if record.expires_at > now && record.holds(token) => {
+                apply(record, now);
+                Transition::Applied
             }
+            _ => Transition::LeaseLost,
         })
     }
 }
@@ -177,14 +167,8 @@ impl Store for MemoryStore {
         Ok(self.with_record(key, |shard, now| {
             let token = Token::random();
             let retain_until = now + claim_retention(lease, ttl);
-            let in_progress = State::InProgress {
-                token,
-                lease_until: now + lease,
-            };
-            let Some(record) = shard
-                .records
-                .get_mut(key.as_bytes())
-                .filter(|r| r.expires_at > now)
+            let in_progress = State::InProgress { token, lease_until: now + lease };
+            let Some(record) = shard.records.get_mut(key.as_bytes()).filter(|r| r.expires_at > now)
             else {
                 let record = Record {
                     state: in_progress,
@@ -203,19 +187,14 @@ impl Store for MemoryStore {
             match &record.state {
                 State::Done(None) => Claim::Done,
                 State::Done(Some(result)) => Claim::Cached(result.to_vec()),
-                State::Failed => Claim::Failed {
-                    attempts: record.attempts,
-                },
+                State::Failed => Claim::Failed { attempts: record.attempts },
                 State::InProgress { lease_until, .. } if *lease_until > now => Claim::InProgress,
                 State::InProgress { .. } | State::Released => {
                     record.attempts += 1;
                     record.state = in_progress;
                     record.expires_at = record.expires_at.max(retain_until);
                     record.fingerprint = record.fingerprint.or(fingerprint.copied());
-                    Claim::Won {
-                        token,
-                        attempt: record.attempts,
-                    }
+                    Claim::Won { token, attempt: record.attempts }
                 }
             }
         }))
@@ -286,14 +265,8 @@ mod tests {
         tokio::time::advance(LEASE + Duration::from_millis(1)).await;
         let (new, attempt) = won(store.claim(&key, LEASE, TTL, None).await.unwrap());
         assert_eq!(attempt, 2);
-        assert_eq!(
-            store.complete(&key, old, TTL, None).await.unwrap(),
-            Transition::LeaseLost
-        );
-        assert_eq!(
-            store.complete(&key, new, TTL, None).await.unwrap(),
-            Transition::Applied
-        );
+        assert_eq!(store.complete(&key, old, TTL, None).await.unwrap(), Transition::LeaseLost);
+        assert_eq!(store.complete(&key, new, TTL, None).await.unwrap(), Transition::Applied);
     }
 
     #[tokio::test(start_paused = true)]

@@ -108,9 +108,9 @@ impl<'a> Document<'a> {
     pub fn of<P: Payload + ?Sized>(payload: &'a P) -> Document<'a> {
         let parsed = match payload.payload() {
             PayloadRef::Json(value) => Ok(Cow::Borrowed(value)),
-            PayloadRef::Bytes(bytes) => serde_json::from_slice(bytes)
-                .map(Cow::Owned)
-                .map_err(|e| e.to_string()),
+            PayloadRef::Bytes(bytes) => {
+                serde_json::from_slice(bytes).map(Cow::Owned).map_err(|e| e.to_string())
+            }
         };
         Document { parsed }
     }
@@ -300,17 +300,8 @@ mod tests {
         let a = json!({"x": 1, "y": [true, null, "s"]});
         let b: Value = serde_json::from_str(r#"{"y":[true,null,"s"],"x":1}"#).unwrap();
         assert_eq!(Fingerprint::of(&a), Fingerprint::of(&b));
-        assert_ne!(
-            Fingerprint::of(&a),
-            Fingerprint::of(&json!({"x": 2, "y": [true, null, "s"]}))
-        );
-        assert_eq!(
-            Fingerprint::of(r#"{"x":1}"#),
-            Fingerprint::of(&br#"{"x":1}"#.to_vec())
-        );
-        assert_ne!(
-            Fingerprint::of(r#"{"x":1}"#),
-            Fingerprint::of(r#"{"x": 1}"#)
-        );
+        assert_ne!(Fingerprint::of(&a), Fingerprint::of(&json!({"x": 2, "y": [true, null, "s"]})));
+        assert_eq!(Fingerprint::of(r#"{"x":1}"#), Fingerprint::of(&br#"{"x":1}"#.to_vec()));
+        assert_ne!(Fingerprint::of(r#"{"x":1}"#), Fingerprint::of(r#"{"x": 1}"#));
     }
 }

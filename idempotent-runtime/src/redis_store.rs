@@ -141,10 +141,7 @@ impl std::fmt::Debug for RedisStore {
             Connection::Standalone(_) => "standalone",
             Connection::Cluster(_) => "cluster",
         };
-        f.debug_struct("RedisStore")
-            .field("kind", &kind)
-            .field("prefix", &self.prefix)
-            .finish()
+        f.debug_struct("RedisStore").field("kind", &kind).field("prefix", &self.prefix).finish()
     }
 }
 
@@ -157,9 +154,8 @@ impl RedisStore {
         let config = ConnectionManagerConfig::new()
             .set_response_timeout(Some(DEFAULT_RESPONSE_TIMEOUT))
             .set_connection_timeout(Some(DEFAULT_CONNECTION_TIMEOUT));
-        let manager = ConnectionManager::new_with_config(client, config)
-            .await
-            .map_err(unavailable)?;
+        let manager =
+            ConnectionManager::new_with_config(client, config).await.map_err(unavailable)?;
         Ok(RedisStore::from_connection_manager(manager))
     }
 
@@ -180,18 +176,12 @@ impl RedisStore {
 
     /// Uses a connection manager configured by the caller.
     pub fn from_connection_manager(manager: ConnectionManager) -> RedisStore {
-        RedisStore {
-            connection: Connection::Standalone(manager),
-            prefix: DEFAULT_PREFIX.into(),
-        }
+        RedisStore { connection: Connection::Standalone(manager), prefix: DEFAULT_PREFIX.into() }
     }
 
     /// Uses a Cluster connection configured by the caller.
     pub fn from_cluster_connection(connection: ClusterConnection) -> RedisStore {
-        RedisStore {
-            connection: Connection::Cluster(connection),
-            prefix: DEFAULT_PREFIX.into(),
-        }
+        RedisStore { connection: Connection::Cluster(connection), prefix: DEFAULT_PREFIX.into() }
     }
 
     /// The standalone connection, to send other commands over it (`None` for a
@@ -268,9 +258,7 @@ impl RedisStore {
         match self.invoke::<i64>(script, key, args).await? {
             1 => Ok(Transition::Applied),
             0 => Ok(Transition::LeaseLost),
-            other => Err(StoreError::Protocol(format!(
-                "transition script returned {other}"
-            ))),
+            other => Err(StoreError::Protocol(format!("transition script returned {other}"))),
         }
     }
 }
@@ -296,36 +284,23 @@ impl Store for RedisStore {
         let token_text = token.to_string();
         let retention = crate::claim_retention(lease, ttl);
         let fingerprint = fingerprint.map_or_else(|| "-".to_owned(), Fingerprint::to_string);
-        let args: [&[u8]; 4] = [
-            token_text.as_bytes(),
-            &millis(lease),
-            &millis(retention),
-            fingerprint.as_bytes(),
-        ];
+        let args: [&[u8]; 4] =
+            [token_text.as_bytes(), &millis(lease), &millis(retention), fingerprint.as_bytes()];
         let reply: Vec<redis::Value> = self.invoke(&SCRIPTS.claim, key, &args).await?;
         let field = |i: usize| reply.get(i).cloned().unwrap_or(redis::Value::Nil);
         let parse_error = |e: redis::ParsingError| StoreError::Protocol(e.to_string());
         let state: String = redis::from_redis_value(field(0)).map_err(parse_error)?;
         let attempts: u32 = redis::from_redis_value(field(1)).map_err(parse_error)?;
         match state.as_str() {
-            "W" => Ok(Claim::Won {
-                token,
-                attempt: attempts,
-            }),
+            "W" => Ok(Claim::Won { token, attempt: attempts }),
             "D" => {
                 let result: Vec<u8> = redis::from_redis_value(field(2)).map_err(parse_error)?;
-                Ok(if result.is_empty() {
-                    Claim::Done
-                } else {
-                    Claim::Cached(result)
-                })
+                Ok(if result.is_empty() { Claim::Done } else { Claim::Cached(result) })
             }
             "P" => Ok(Claim::InProgress),
             "F" => Ok(Claim::Failed { attempts }),
             "M" => Ok(Claim::Mismatch),
-            other => Err(StoreError::Protocol(format!(
-                "claim script returned state {other:?}"
-            ))),
+            other => Err(StoreError::Protocol(format!("claim script returned state {other:?}"))),
         }
     }
 
@@ -337,29 +312,18 @@ impl Store for RedisStore {
         result: Option<&[u8]>,
     ) -> Result<Transition, StoreError> {
         let token = token.to_string();
-        let args = [
-            token.as_bytes(),
-            b"D",
-            &millis(ttl),
-            result.unwrap_or_default(),
-        ];
+        let args = [token.as_bytes(), b"D", &millis(ttl), result.unwrap_or_default()];
         self.transition(&SCRIPTS.finish, key, &args).await
     }
 
     async fn release(&self, key: &Key, token: Token) -> Result<Transition, StoreError> {
         let token = token.to_string();
-        self.transition(&SCRIPTS.release, key, &[token.as_bytes()])
-            .await
+        self.transition(&SCRIPTS.release, key, &[token.as_bytes()]).await
     }
 
     async fn fail(&self, key: &Key, token: Token, ttl: Duration) -> Result<Transition, StoreError> {
         let token = token.to_string();
-        self.transition(
-            &SCRIPTS.finish,
-            key,
-            &[token.as_bytes(), b"F", &millis(ttl), b""],
-        )
-        .await
+        self.transition(&SCRIPTS.finish, key, &[token.as_bytes(), b"F", &millis(ttl), b""]).await
     }
 
     async fn renew(
@@ -369,8 +333,7 @@ impl Store for RedisStore {
         lease: Duration,
     ) -> Result<Transition, StoreError> {
         let token = token.to_string();
-        self.transition(&SCRIPTS.renew, key, &[token.as_bytes(), &millis(lease)])
-            .await
+        self.transition(&SCRIPTS.renew, key, &[token.as_bytes(), &millis(lease)]).await
     }
 
     /// Starts the release on the current Tokio runtime and returns at once; without

@@ -92,24 +92,15 @@ async fn call<S: Store + ?Sized>(
     alerts: &Alerts,
     result: Result<u32, Failure>,
 ) -> Result<Outcome<u32>, Error<Failure>> {
-    run(
-        Call::new(spec, Ok(key.clone())),
-        store,
-        Failure::class,
-        alerts.hook(),
-        async {
-            runs.fetch_add(1, Ordering::SeqCst);
-            result
-        },
-    )
+    run(Call::new(spec, Ok(key.clone())), store, Failure::class, alerts.hook(), async {
+        runs.fetch_add(1, Ordering::SeqCst);
+        result
+    })
     .await
 }
 
 async fn claim_state<S: Store + ?Sized>(store: &S, key: &Key) -> Claim {
-    store
-        .claim(key, LEASE, TTL, None)
-        .await
-        .expect("store reachable")
+    store.claim(key, LEASE, TTL, None).await.expect("store reachable")
 }
 
 /// First delivery succeeds: `Processed`, record DONE.
@@ -118,11 +109,7 @@ pub async fn first_delivery_success<S: Store + ?Sized>(store: &S) {
     let out = call(store, &key, spec(5), &runs, &alerts, Ok(7)).await;
     assert_eq!(out.unwrap(), Outcome::Processed(7));
     assert_eq!(runs.load(Ordering::SeqCst), 1);
-    assert_eq!(
-        claim_state(store, &key).await,
-        Claim::Done,
-        "record must be DONE"
-    );
+    assert_eq!(claim_state(store, &key).await, Claim::Done, "record must be DONE");
 }
 
 /// The same key again within the ttl: `Duplicate`, handler not run.
@@ -146,29 +133,16 @@ pub async fn in_progress_elsewhere<S: Store + ?Sized>(store: &S) {
     let out = call(store, &key, spec(5), &runs, &alerts, Ok(1)).await;
     assert_eq!(out.unwrap(), Outcome::InProgress);
     assert_eq!(runs.load(Ordering::SeqCst), 0);
-    assert_eq!(
-        store.complete(&key, token, TTL, None).await.unwrap(),
-        Transition::Applied
-    );
+    assert_eq!(store.complete(&key, token, TTL, None).await.unwrap(), Transition::Applied);
 }
 
 /// A retryable error releases the key and keeps the attempt count.
 pub async fn retryable_error_releases<S: Store + ?Sized>(store: &S) {
     let (key, runs, alerts) = (fresh_key("retry"), AtomicU32::new(0), Alerts::default());
-    let err = call(
-        store,
-        &key,
-        spec(5),
-        &runs,
-        &alerts,
-        Err(Failure(ErrorClass::Retryable)),
-    )
-    .await
-    .unwrap_err();
-    assert!(
-        matches!(err, Error::Retryable { attempt: 1, .. }),
-        "{err:?}"
-    );
+    let err = call(store, &key, spec(5), &runs, &alerts, Err(Failure(ErrorClass::Retryable)))
+        .await
+        .unwrap_err();
+    assert!(matches!(err, Error::Retryable { attempt: 1, .. }), "{err:?}");
     assert!(err.is_retryable());
     let Claim::Won { attempt, token } = claim_state(store, &key).await else {
         panic!("a released key must be claimable")
@@ -185,33 +159,13 @@ pub async fn retryable_error_on_last_attempt<S: Store + ?Sized>(store: &S) {
     let (key, runs, alerts) = (fresh_key("exhaust"), AtomicU32::new(0), Alerts::default());
     let failure = Err(Failure(ErrorClass::Retryable));
     for attempt in 1..=2 {
-        let err = call(store, &key, spec(3), &runs, &alerts, failure.clone())
-            .await
-            .unwrap_err();
-        assert!(
-            matches!(err, Error::Retryable { attempt: a, .. } if a == attempt),
-            "{err:?}"
-        );
+        let err = call(store, &key, spec(3), &runs, &alerts, failure.clone()).await.unwrap_err();
+        assert!(matches!(err, Error::Retryable { attempt: a, .. } if a == attempt), "{err:?}");
     }
-    let err = call(store, &key, spec(3), &runs, &alerts, failure.clone())
-        .await
-        .unwrap_err();
-    assert!(
-        matches!(
-            err,
-            Error::Terminal {
-                attempt: 3,
-                exhausted: true,
-                ..
-            }
-        ),
-        "{err:?}"
-    );
+    let err = call(store, &key, spec(3), &runs, &alerts, failure.clone()).await.unwrap_err();
+    assert!(matches!(err, Error::Terminal { attempt: 3, exhausted: true, .. }), "{err:?}");
     assert!(err.is_terminal());
-    assert_eq!(
-        claim_state(store, &key).await,
-        Claim::Failed { attempts: 3 }
-    );
+    assert_eq!(claim_state(store, &key).await, Claim::Failed { attempts: 3 });
     let events = alerts.events().await;
     assert_eq!(events.len(), 1);
     assert!(events[0].exhausted && events[0].attempt == 3, "{events:?}");
@@ -220,39 +174,17 @@ pub async fn retryable_error_on_last_attempt<S: Store + ?Sized>(store: &S) {
 /// A terminal error: FAILED, kept, alert; later deliveries are not run.
 pub async fn terminal_error_fails<S: Store + ?Sized>(store: &S) {
     let (key, runs, alerts) = (fresh_key("terminal"), AtomicU32::new(0), Alerts::default());
-    let err = call(
-        store,
-        &key,
-        spec(5),
-        &runs,
-        &alerts,
-        Err(Failure(ErrorClass::Terminal)),
-    )
-    .await
-    .unwrap_err();
-    assert!(
-        matches!(
-            err,
-            Error::Terminal {
-                attempt: 1,
-                exhausted: false,
-                ..
-            }
-        ),
-        "{err:?}"
-    );
+    let err = call(store, &key, spec(5), &runs, &alerts, Err(Failure(ErrorClass::Terminal)))
+        .await
+        .unwrap_err();
+    assert!(matches!(err, Error::Terminal { attempt: 1, exhausted: false, .. }), "{err:?}");
     let events = alerts.events().await;
     assert_eq!(events.len(), 1);
     assert_eq!(events[0].namespace, key.namespace());
     assert_eq!(events[0].key, "order:42");
     assert_eq!(events[0].error, "Terminal failure");
-    let again = call(store, &key, spec(5), &runs, &alerts, Ok(1))
-        .await
-        .unwrap_err();
-    assert!(
-        matches!(again, Error::PreviouslyFailed { attempts: 1 }),
-        "{again:?}"
-    );
+    let again = call(store, &key, spec(5), &runs, &alerts, Ok(1)).await.unwrap_err();
+    assert!(matches!(again, Error::PreviouslyFailed { attempts: 1 }), "{again:?}");
     assert_eq!(runs.load(Ordering::SeqCst), 1);
 }
 
@@ -260,19 +192,14 @@ pub async fn terminal_error_fails<S: Store + ?Sized>(store: &S) {
 pub async fn panic_releases<S: Store + ?Sized>(store: &S) {
     let key = fresh_key("panic");
     let alerts = Alerts::default();
-    let out = run(
-        Call::new(spec(5), Ok(key.clone())),
-        store,
-        Failure::class,
-        alerts.hook(),
-        async {
+    let out =
+        run(Call::new(spec(5), Ok(key.clone())), store, Failure::class, alerts.hook(), async {
             if key.id() == b"order:42" {
                 panic!("boom");
             }
             Ok::<u32, Failure>(1)
-        },
-    )
-    .await;
+        })
+        .await;
     let err = out.unwrap_err();
     assert!(
         matches!(&err, Error::Panicked { message, attempt: 1 } if message == "boom"),
@@ -280,10 +207,7 @@ pub async fn panic_releases<S: Store + ?Sized>(store: &S) {
     );
     assert!(err.is_retryable());
     assert!(
-        matches!(
-            claim_state(store, &key).await,
-            Claim::Won { attempt: 2, .. }
-        ),
+        matches!(claim_state(store, &key).await, Claim::Won { attempt: 2, .. }),
         "a panic must release the key"
     );
 }
@@ -292,25 +216,17 @@ pub async fn panic_releases<S: Store + ?Sized>(store: &S) {
 pub async fn dropped_future_releases<S: Store + ?Sized>(store: &S) {
     let (key, runs, alerts) = (fresh_key("drop"), AtomicU32::new(0), Alerts::default());
     let started = tokio::sync::Notify::new();
-    let handler = run(
-        Call::new(spec(5), Ok(key.clone())),
-        store,
-        Failure::class,
-        alerts.hook(),
-        async {
+    let handler =
+        run(Call::new(spec(5), Ok(key.clone())), store, Failure::class, alerts.hook(), async {
             started.notify_one();
             std::future::pending::<Result<u32, Failure>>().await
-        },
-    );
+        });
     tokio::select! {
         _ = handler => panic!("the handler never finishes"),
         _ = started.notified() => {}
     }
     // `handler` is dropped here, mid-way.
-    let out = eventually(LEASE * 3, || {
-        call(store, &key, spec(5), &runs, &alerts, Ok(5))
-    })
-    .await;
+    let out = eventually(LEASE * 3, || call(store, &key, spec(5), &runs, &alerts, Ok(5))).await;
     assert_eq!(out, Outcome::Processed(5));
 }
 
@@ -318,9 +234,7 @@ pub async fn dropped_future_releases<S: Store + ?Sized>(store: &S) {
 /// redelivery is processed.
 pub async fn dead_consumer_claim_expires<S: Store + ?Sized>(store: &S) {
     let (key, runs, alerts) = (fresh_key("dead"), AtomicU32::new(0), Alerts::default());
-    let Claim::Won { .. } = claim_state(store, &key).await else {
-        panic!("fresh key")
-    };
+    let Claim::Won { .. } = claim_state(store, &key).await else { panic!("fresh key") };
     // Never completed, never renewed: the process "died".
     let out = call(store, &key, spec(5), &runs, &alerts, Ok(1)).await;
     assert_eq!(out.unwrap(), Outcome::InProgress);
@@ -334,22 +248,14 @@ pub async fn unfinished_attempts_are_capped<S: Store + ?Sized>(store: &S) {
     let (key, runs, alerts) = (fresh_key("crashloop"), AtomicU32::new(0), Alerts::default());
     let short = Duration::from_millis(100);
     for _ in 0..2 {
-        assert!(matches!(
-            store.claim(&key, short, TTL, None).await.unwrap(),
-            Claim::Won { .. }
-        ));
+        assert!(matches!(store.claim(&key, short, TTL, None).await.unwrap(), Claim::Won { .. }));
         tokio::time::sleep(short + Duration::from_millis(100)).await;
     }
-    let err = call(store, &key, spec(2), &runs, &alerts, Ok(1))
-        .await
-        .unwrap_err();
+    let err = call(store, &key, spec(2), &runs, &alerts, Ok(1)).await.unwrap_err();
     assert!(matches!(err, Error::Abandoned { attempts: 2 }), "{err:?}");
     assert_eq!(runs.load(Ordering::SeqCst), 0);
     assert_eq!(alerts.events().await.len(), 1);
-    assert!(matches!(
-        claim_state(store, &key).await,
-        Claim::Failed { .. }
-    ));
+    assert!(matches!(claim_state(store, &key).await, Claim::Failed { .. }));
 }
 
 /// The store is unreachable at claim: `Err(Store)`, handler not run, and the
@@ -358,19 +264,8 @@ pub async fn store_unreachable_at_claim<S: Store + ?Sized>(store: &S) {
     let (key, runs, alerts) = (fresh_key("down"), AtomicU32::new(0), Alerts::default());
     let flaky = Flaky::new(store);
     flaky.down.store(true, Ordering::SeqCst);
-    let err = call(&flaky, &key, spec(5), &runs, &alerts, Ok(1))
-        .await
-        .unwrap_err();
-    assert!(
-        matches!(
-            err,
-            Error::Store {
-                handler_ran: false,
-                ..
-            }
-        ),
-        "{err:?}"
-    );
+    let err = call(&flaky, &key, spec(5), &runs, &alerts, Ok(1)).await.unwrap_err();
+    assert!(matches!(err, Error::Store { handler_ran: false, .. }), "{err:?}");
     assert!(err.is_retryable());
     assert_eq!(runs.load(Ordering::SeqCst), 0);
     flaky.down.store(false, Ordering::SeqCst);
@@ -384,19 +279,8 @@ pub async fn store_fails_after_handler<S: Store + ?Sized>(store: &S) {
     let (key, runs, alerts) = (fresh_key("lost-done"), AtomicU32::new(0), Alerts::default());
     let flaky = Flaky::new(store);
     flaky.down_after_claim.store(true, Ordering::SeqCst);
-    let err = call(&flaky, &key, spec(5), &runs, &alerts, Ok(1))
-        .await
-        .unwrap_err();
-    assert!(
-        matches!(
-            err,
-            Error::Store {
-                handler_ran: true,
-                ..
-            }
-        ),
-        "{err:?}"
-    );
+    let err = call(&flaky, &key, spec(5), &runs, &alerts, Ok(1)).await.unwrap_err();
+    assert!(matches!(err, Error::Store { handler_ran: true, .. }), "{err:?}");
     assert_eq!(runs.load(Ordering::SeqCst), 1);
 }
 
@@ -406,12 +290,7 @@ pub async fn ttl_expiry_forgets<S: Store + ?Sized>(store: &S) {
     let short = Spec::new(Duration::from_millis(300), Duration::from_millis(300), 5);
     let out = call(store, &key, short, &runs, &alerts, Ok(1)).await;
     assert_eq!(out.unwrap(), Outcome::Processed(1));
-    assert_eq!(
-        call(store, &key, short, &runs, &alerts, Ok(1))
-            .await
-            .unwrap(),
-        Outcome::Duplicate
-    );
+    assert_eq!(call(store, &key, short, &runs, &alerts, Ok(1)).await.unwrap(), Outcome::Duplicate);
     tokio::time::sleep(Duration::from_millis(500)).await;
     let out = call(store, &key, short, &runs, &alerts, Ok(2)).await;
     assert_eq!(out.unwrap(), Outcome::Processed(2));
@@ -421,48 +300,20 @@ pub async fn ttl_expiry_forgets<S: Store + ?Sized>(store: &S) {
 /// took over, and cannot overwrite its record.
 pub async fn expired_lease_is_fenced<S: Store + ?Sized>(store: &S) {
     let key = fresh_key("fence");
-    let Claim::Won { token: stale, .. } = claim_state(store, &key).await else {
-        panic!()
-    };
+    let Claim::Won { token: stale, .. } = claim_state(store, &key).await else { panic!() };
     tokio::time::sleep(LEASE + Duration::from_millis(200)).await;
-    let Claim::Won {
-        token: fresh,
-        attempt,
-    } = claim_state(store, &key).await
-    else {
+    let Claim::Won { token: fresh, attempt } = claim_state(store, &key).await else {
         panic!("an expired lease must be claimable")
     };
     assert_eq!(attempt, 2);
     assert_ne!(stale, fresh);
-    assert_eq!(
-        store.renew(&key, stale, LEASE).await.unwrap(),
-        Transition::LeaseLost
-    );
-    assert_eq!(
-        store.release(&key, stale).await.unwrap(),
-        Transition::LeaseLost
-    );
-    assert_eq!(
-        store.fail(&key, stale, TTL).await.unwrap(),
-        Transition::LeaseLost
-    );
-    assert_eq!(
-        store.complete(&key, stale, TTL, None).await.unwrap(),
-        Transition::LeaseLost
-    );
-    assert_eq!(
-        claim_state(store, &key).await,
-        Claim::InProgress,
-        "the new claim stands"
-    );
-    assert_eq!(
-        store.complete(&key, fresh, TTL, None).await.unwrap(),
-        Transition::Applied
-    );
-    assert_eq!(
-        store.complete(&key, stale, TTL, None).await.unwrap(),
-        Transition::LeaseLost
-    );
+    assert_eq!(store.renew(&key, stale, LEASE).await.unwrap(), Transition::LeaseLost);
+    assert_eq!(store.release(&key, stale).await.unwrap(), Transition::LeaseLost);
+    assert_eq!(store.fail(&key, stale, TTL).await.unwrap(), Transition::LeaseLost);
+    assert_eq!(store.complete(&key, stale, TTL, None).await.unwrap(), Transition::LeaseLost);
+    assert_eq!(claim_state(store, &key).await, Claim::InProgress, "the new claim stands");
+    assert_eq!(store.complete(&key, fresh, TTL, None).await.unwrap(), Transition::Applied);
+    assert_eq!(store.complete(&key, stale, TTL, None).await.unwrap(), Transition::LeaseLost);
     assert_eq!(claim_state(store, &key).await, Claim::Done);
 }
 
@@ -472,42 +323,29 @@ pub async fn late_completion_gets_lease_lost<S: Store + ?Sized>(store: &S) {
     let (key, runs, alerts) = (fresh_key("late"), AtomicU32::new(0), Alerts::default());
     let flaky = Flaky::new(store);
     flaky.refuse_renewals.store(true, Ordering::SeqCst);
-    let slow = run(
-        Call::new(spec(5), Ok(key.clone())),
-        &flaky,
-        Failure::class,
-        alerts.hook(),
-        async {
+    let slow =
+        run(Call::new(spec(5), Ok(key.clone())), &flaky, Failure::class, alerts.hook(), async {
             tokio::time::sleep(LEASE * 3).await;
             Ok::<u32, Failure>(1)
-        },
-    );
+        });
     let takeover = async {
         tokio::time::sleep(LEASE + Duration::from_millis(150)).await;
         call(store, &key, spec(5), &runs, &alerts, Ok(2)).await
     };
     let (slow, takeover) = tokio::join!(slow, takeover);
     assert_eq!(takeover.unwrap(), Outcome::Processed(2));
-    assert!(
-        matches!(slow, Err(Error::LeaseLost { attempt: 1 })),
-        "{slow:?}"
-    );
+    assert!(matches!(slow, Err(Error::LeaseLost { attempt: 1 })), "{slow:?}");
     assert_eq!(claim_state(store, &key).await, Claim::Done);
 }
 
 /// Renewal keeps a handler that runs longer than its lease in possession.
 pub async fn renewal_keeps_slow_handler<S: Store + ?Sized>(store: &S) {
     let (key, runs, alerts) = (fresh_key("slow"), AtomicU32::new(0), Alerts::default());
-    let slow = run(
-        Call::new(spec(5), Ok(key.clone())),
-        store,
-        Failure::class,
-        alerts.hook(),
-        async {
+    let slow =
+        run(Call::new(spec(5), Ok(key.clone())), store, Failure::class, alerts.hook(), async {
             tokio::time::sleep(LEASE * 4).await;
             Ok::<u32, Failure>(1)
-        },
-    );
+        });
     let rival = async {
         let mut seen = Vec::new();
         for _ in 0..5 {
@@ -518,11 +356,7 @@ pub async fn renewal_keeps_slow_handler<S: Store + ?Sized>(store: &S) {
     };
     let (slow, seen) = tokio::join!(slow, rival);
     assert_eq!(slow.unwrap(), Outcome::Processed(1));
-    assert_eq!(
-        runs.load(Ordering::SeqCst),
-        0,
-        "the rival never ran: {seen:?}"
-    );
+    assert_eq!(runs.load(Ordering::SeqCst), 0, "the rival never ran: {seen:?}");
 }
 
 /// With `validate`, the same key with another payload is refused and runs nothing,
@@ -530,28 +364,17 @@ pub async fn renewal_keeps_slow_handler<S: Store + ?Sized>(store: &S) {
 /// duplicate.
 pub async fn payload_mismatch_is_refused<S: Store + ?Sized>(store: &S) {
     let (key, runs) = (fresh_key("validate"), AtomicU32::new(0));
-    let (first, other) = (
-        Fingerprint::of(r#"{"amount":100}"#),
-        Fingerprint::of(r#"{"amount":999}"#),
-    );
+    let (first, other) =
+        (Fingerprint::of(r#"{"amount":100}"#), Fingerprint::of(r#"{"amount":999}"#));
     let validated = |fingerprint: Fingerprint| {
         let call = Call::new(spec(5), Ok(key.clone())).validated(fingerprint);
-        run(
-            call,
-            store,
-            Failure::class,
-            Alerts::default().hook(),
-            async {
-                runs.fetch_add(1, Ordering::SeqCst);
-                Ok::<u32, Failure>(1)
-            },
-        )
+        run(call, store, Failure::class, Alerts::default().hook(), async {
+            runs.fetch_add(1, Ordering::SeqCst);
+            Ok::<u32, Failure>(1)
+        })
     };
     assert_eq!(validated(first).await.unwrap(), Outcome::Processed(1));
-    assert!(matches!(
-        validated(other).await,
-        Err(Error::PayloadMismatch)
-    ));
+    assert!(matches!(validated(other).await, Err(Error::PayloadMismatch)));
     assert_eq!(validated(first).await.unwrap(), Outcome::Duplicate);
     assert_eq!(runs.load(Ordering::SeqCst), 1);
 
@@ -562,14 +385,8 @@ pub async fn payload_mismatch_is_refused<S: Store + ?Sized>(store: &S) {
     };
     let answer = store.claim(&busy, LEASE, TTL, Some(&other)).await.unwrap();
     assert_eq!(answer, Claim::Mismatch, "checked before the live claim");
-    assert_eq!(
-        store.claim(&busy, LEASE, TTL, Some(&first)).await.unwrap(),
-        Claim::InProgress
-    );
-    assert_eq!(
-        store.complete(&busy, token, TTL, None).await.unwrap(),
-        Transition::Applied
-    );
+    assert_eq!(store.claim(&busy, LEASE, TTL, Some(&first)).await.unwrap(), Claim::InProgress);
+    assert_eq!(store.complete(&busy, token, TTL, None).await.unwrap(), Transition::Applied);
 }
 
 /// With `cache`, duplicates get the first delivery's value back; a value too large to
@@ -578,26 +395,14 @@ pub async fn cached_result_is_replayed<S: Store + ?Sized>(store: &S) {
     let (key, runs) = (fresh_key("cache"), AtomicU32::new(0));
     let cached = |value: String| {
         let call = Call::new(spec(5), Ok(key.clone())).cached::<String>();
-        run(
-            call,
-            store,
-            Failure::class,
-            Alerts::default().hook(),
-            async {
-                runs.fetch_add(1, Ordering::SeqCst);
-                Ok::<String, Failure>(value)
-            },
-        )
+        run(call, store, Failure::class, Alerts::default().hook(), async {
+            runs.fetch_add(1, Ordering::SeqCst);
+            Ok::<String, Failure>(value)
+        })
     };
     let receipt = "receipt 7 \u{1F9FE} with spaces".to_owned();
-    assert_eq!(
-        cached(receipt.clone()).await.unwrap(),
-        Outcome::Processed(receipt.clone())
-    );
-    assert_eq!(
-        cached("other".into()).await.unwrap(),
-        Outcome::Replayed(receipt.clone())
-    );
+    assert_eq!(cached(receipt.clone()).await.unwrap(), Outcome::Processed(receipt.clone()));
+    assert_eq!(cached("other".into()).await.unwrap(), Outcome::Replayed(receipt.clone()));
     assert_eq!(runs.load(Ordering::SeqCst), 1);
     // A handler that does not cache sees a plain duplicate.
     let uncached = run(
@@ -609,30 +414,16 @@ pub async fn cached_result_is_replayed<S: Store + ?Sized>(store: &S) {
     );
     assert_eq!(uncached.await.unwrap(), Outcome::Duplicate);
 
-    let (big_key, big) = (
-        fresh_key("cache-big"),
-        "x".repeat(crate::execute::MAX_CACHED_RESULT + 1),
-    );
+    let (big_key, big) =
+        (fresh_key("cache-big"), "x".repeat(crate::execute::MAX_CACHED_RESULT + 1));
     let call = Call::new(spec(5), Ok(big_key.clone())).cached::<String>();
-    let out = run(
-        call,
-        store,
-        Failure::class,
-        Alerts::default().hook(),
-        async { Ok::<_, Failure>(big) },
-    )
-    .await;
+    let out =
+        run(call, store, Failure::class, Alerts::default().hook(), async { Ok::<_, Failure>(big) })
+            .await;
     let err = out.unwrap_err();
-    assert!(
-        matches!(&err, Error::Cache { reason } if reason.contains("limit")),
-        "{err:?}"
-    );
+    assert!(matches!(&err, Error::Cache { reason } if reason.contains("limit")), "{err:?}");
     assert_eq!(err.disposition(), crate::Disposition::Ack);
-    assert_eq!(
-        claim_state(store, &big_key).await,
-        Claim::Done,
-        "recorded DONE, uncached"
-    );
+    assert_eq!(claim_state(store, &big_key).await, Claim::Done, "recorded DONE, uncached");
 }
 
 /// 1,000 concurrent calls with one key on a multi-threaded runtime: the body runs
@@ -686,10 +477,7 @@ pub async fn many_keys_each_once<S: Store + ?Sized + 'static>(store: Arc<S>) {
         .collect();
     for task in tasks {
         let out = task.await.expect("no panic").expect("no error");
-        assert!(matches!(
-            out,
-            Outcome::Processed(_) | Outcome::Duplicate | Outcome::InProgress
-        ));
+        assert!(matches!(out, Outcome::Processed(_) | Outcome::Duplicate | Outcome::InProgress));
     }
     for (id, n) in runs.iter().enumerate() {
         assert_eq!(n.load(Ordering::SeqCst), 1, "key {id} ran {n:?} times");

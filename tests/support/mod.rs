@@ -19,10 +19,7 @@ pub async fn shared_store() -> Option<RedisStore> {
     match RedisStore::connect(url.as_str()).await {
         Ok(store) => Some(store),
         Err(e) => {
-            assert!(
-                std::env::var_os("CI").is_none(),
-                "CI needs Redis at {url}: {e}"
-            );
+            assert!(std::env::var_os("CI").is_none(), "CI needs Redis at {url}: {e}");
             eprintln!("skipped: no Redis at {url} ({e}); set REDIS_URL or start redis-server");
             None
         }
@@ -31,15 +28,10 @@ pub async fn shared_store() -> Option<RedisStore> {
 
 /// Whether `redis-server` can be run; outside CI a missing binary skips the test.
 pub fn have_redis_server() -> bool {
-    let ok = Command::new("redis-server")
-        .arg("--version")
-        .output()
-        .is_ok_and(|o| o.status.success());
+    let ok =
+        Command::new("redis-server").arg("--version").output().is_ok_and(|o| o.status.success());
     if !ok {
-        assert!(
-            std::env::var_os("CI").is_none(),
-            "CI needs the redis-server binary"
-        );
+        assert!(std::env::var_os("CI").is_none(), "CI needs the redis-server binary");
         eprintln!("skipped: redis-server is not installed");
     }
     ok
@@ -62,37 +54,19 @@ impl RedisServer {
     /// Starts a server that writes every command to its append-only file before
     /// answering, so a killed and restarted server still has its records.
     pub fn start_persistent() -> RedisServer {
-        RedisServer::start_with(&[
-            "--save",
-            "",
-            "--appendonly",
-            "yes",
-            "--appendfsync",
-            "always",
-        ])
+        RedisServer::start_with(&["--save", "", "--appendonly", "yes", "--appendfsync", "always"])
     }
 
     fn start_with(extra: &[&str]) -> RedisServer {
         let port = free_port();
         let dir = temp_dir(&format!("redis-{port}"));
-        let mut args: Vec<String> = [
-            "--port",
-            &port.to_string(),
-            "--bind",
-            "127.0.0.1",
-            "--dir",
-            dir.to_str().unwrap(),
-        ]
-        .iter()
-        .map(|s| s.to_string())
-        .collect();
+        let mut args: Vec<String> =
+            ["--port", &port.to_string(), "--bind", "127.0.0.1", "--dir", dir.to_str().unwrap()]
+                .iter()
+                .map(|s| s.to_string())
+                .collect();
         args.extend(extra.iter().map(|s| s.to_string()));
-        let mut server = RedisServer {
-            port,
-            dir,
-            args,
-            child: None,
-        };
+        let mut server = RedisServer { port, dir, args, child: None };
         server.restart();
         server
     }
@@ -158,18 +132,13 @@ impl RedisCluster {
                 ])
             })
             .collect();
-        let addresses: Vec<String> = nodes
-            .iter()
-            .map(|n| format!("127.0.0.1:{}", n.port))
-            .collect();
+        let addresses: Vec<String> =
+            nodes.iter().map(|n| format!("127.0.0.1:{}", n.port)).collect();
         let mut create = vec!["--cluster", "create"];
         create.extend(addresses.iter().map(String::as_str));
         create.extend(["--cluster-replicas", "0", "--cluster-yes"]);
         let out = cli(nodes[0].port, &create);
-        assert!(
-            out.contains("[OK] All 16384 slots covered"),
-            "cluster create failed: {out}"
-        );
+        assert!(out.contains("[OK] All 16384 slots covered"), "cluster create failed: {out}");
         let deadline = Instant::now() + Duration::from_secs(20);
         for node in &nodes {
             while !node.cli(&["cluster", "info"]).contains("cluster_state:ok") {
@@ -197,10 +166,7 @@ fn cli(port: u16, args: &[&str]) -> String {
 fn wait_for_ping(port: u16) {
     let deadline = Instant::now() + Duration::from_secs(10);
     while !cli(port, &["ping"]).contains("PONG") {
-        assert!(
-            Instant::now() < deadline,
-            "redis-server on {port} did not start"
-        );
+        assert!(Instant::now() < deadline, "redis-server on {port} did not start");
         std::thread::sleep(Duration::from_millis(20));
     }
 }
