@@ -174,7 +174,7 @@ pub use idempotent_runtime::serde_json;
 #[cfg(feature = "redis")]
 pub use idempotent_runtime::{RedisStore, redis_store};
 
-#[cfg(feature = "redis-streams")]
+#[cfg(any(feature = "redis-streams", feature = "rabbitmq", feature = "nats"))]
 pub use idempotent_runtime::consume;
 
 /// What the `#[idempotent]` expansion calls. Not a public API: it changes without

@@ -216,5 +216,6 @@ fn two_consumers_one_killed_every_message_once() {
                 "entry {entry}: {claim:?}"
             );
         }
+        let _: () = redis::cmd("DEL").arg(&stream).arg(&dead).query_async(&mut conn).await.unwrap();
     });
 }

@@ -7,7 +7,13 @@
 
 #[test]
 fn ui() {
-    if !cfg!(all(feature = "testing", feature = "redis-streams", feature = "redis-tls")) {
+    if !cfg!(all(
+        feature = "testing",
+        feature = "redis-streams",
+        feature = "redis-tls",
+        feature = "rabbitmq",
+        feature = "nats"
+    )) {
         eprintln!("skipped: the expected compiler output is recorded with --all-features");
         return;
     }

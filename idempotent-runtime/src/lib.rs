@@ -16,7 +16,7 @@
 
 pub mod alert;
 mod classify;
-#[cfg(feature = "redis-streams")]
+#[cfg(any(feature = "redis-streams", feature = "rabbitmq", feature = "nats"))]
 pub mod consume;
 mod error;
 pub mod execute;

@@ -8,5 +8,9 @@
 //! written, and a consumer that dies mid-handler leaves its deliveries unacked for
 //! redelivery.
 
+#[cfg(feature = "nats")]
+pub mod nats;
+#[cfg(feature = "rabbitmq")]
+pub mod rabbitmq;
 #[cfg(feature = "redis-streams")]
 pub mod redis_streams;

@@ -1,0 +1,110 @@
+//! RabbitMQ queues, through `lapin`.
+
+use std::future::Future;
+
+use futures_util::StreamExt as _;
+use lapin::options::{
+    BasicAckOptions, BasicConsumeOptions, BasicNackOptions, BasicRejectOptions,
+    ExchangeDeclareOptions, QueueBindOptions, QueueDeclareOptions,
+};
+use lapin::types::{AMQPValue, FieldTable};
+use lapin::{BasicProperties, Channel, ExchangeKind};
+
+use crate::{Disposition, DispositionExt, Payload, PayloadRef};
+
+/// One delivery from a queue.
+#[derive(Debug, Clone)]
+pub struct RabbitMessage {
+    /// The body.
+    pub body: Vec<u8>,
+    /// The routing key it was published with.
+    pub routing_key: String,
+    /// Whether the broker delivered it before.
+    pub redelivered: bool,
+    /// Its properties and headers.
+    pub properties: BasicProperties,
+}
+
+/// The body is the payload, for `{/json/pointer}` keys and `validate`.
+impl Payload for RabbitMessage {
+    fn payload(&self) -> PayloadRef<'_> {
+        PayloadRef::Bytes(&self.body)
+    }
+}
+
+/// Declares `queue` (durable) with a dead-letter exchange `{queue}.dlx` routing to the
+/// durable queue `{queue}.dead`, which it returns: what [`RabbitConsumer`] rejects
+/// ends up there.
+pub async fn declare_with_dead_letter(channel: &Channel, queue: &str) -> lapin::Result<String> {
+    let (exchange, dead) = (format!("{queue}.dlx"), format!("{queue}.dead"));
+    let durable = QueueDeclareOptions { durable: true, ..Default::default() };
+    channel
+        .exchange_declare(
+            &exchange,
+            ExchangeKind::Fanout,
+            ExchangeDeclareOptions { durable: true, ..Default::default() },
+            FieldTable::default(),
+        )
+        .await?;
+    channel.queue_declare(&dead, durable, FieldTable::default()).await?;
+    channel
+        .queue_bind(&dead, &exchange, "", QueueBindOptions::default(), FieldTable::default())
+        .await?;
+    let mut arguments = FieldTable::default();
+    arguments.insert("x-dead-letter-exchange".into(), AMQPValue::LongString(exchange.into()));
+    channel.queue_declare(queue, durable, arguments).await?;
+    Ok(dead)
+}
+
+/// A consumer on one queue with manual acknowledgements.
+///
+/// [`next`](RabbitConsumer::next) hands the next delivery to a handler and settles it
+/// by the result's disposition: Ack → `basic.ack`; Retry → `basic.nack` with
+/// `requeue` (the broker redelivers it at once, to this or another consumer; a
+/// duplicate still in progress elsewhere comes back until that consumer finishes);
+/// DeadLetter → `basic.reject` without requeue, which the queue's dead-letter exchange
+/// routes on (see [`declare_with_dead_letter`]). Unacked deliveries of a consumer whose
+/// connection dies are redelivered by the broker.
+pub struct RabbitConsumer {
+    consumer: lapin::Consumer,
+}
+
+impl RabbitConsumer {
+    /// Starts consuming `queue` as `tag`, with manual acks. Set the channel's
+    /// prefetch (`basic_qos`) to bound how many unacked deliveries it holds.
+    pub async fn new(channel: &Channel, queue: &str, tag: &str) -> lapin::Result<RabbitConsumer> {
+        let options = BasicConsumeOptions { no_ack: false, ..Default::default() };
+        let consumer = channel.basic_consume(queue, tag, options, FieldTable::default()).await?;
+        Ok(RabbitConsumer { consumer })
+    }
+
+    /// Waits for the next delivery, runs `handler` on it and settles it. `None` when
+    /// the consumer was cancelled or its channel closed.
+    pub async fn next<F, Fut, R>(&mut self, handler: F) -> Option<lapin::Result<Disposition>>
+    where
+        F: FnOnce(RabbitMessage) -> Fut,
+        Fut: Future<Output = R>,
+        R: DispositionExt,
+    {
+        let delivery = match self.consumer.next().await? {
+            Ok(delivery) => delivery,
+            Err(e) => return Some(Err(e)),
+        };
+        let acker = delivery.acker.clone();
+        let message = RabbitMessage {
+            body: delivery.data,
+            routing_key: delivery.routing_key.to_string(),
+            redelivered: delivery.redelivered,
+            properties: delivery.properties,
+        };
+        let disposition = handler(message).await.disposition();
+        let settled = match disposition {
+            Disposition::Ack => acker.ack(BasicAckOptions::default()).await,
+            Disposition::Retry => {
+                acker.nack(BasicNackOptions { multiple: false, requeue: true }).await
+            }
+            Disposition::DeadLetter => acker.reject(BasicRejectOptions { requeue: false }).await,
+        };
+        Some(settled.map(|_| disposition))
+    }
+}

@@ -1,0 +1,229 @@
+//! NATS JetStream, end to end: 2,000 published messages of which 20% are redelivered
+//! duplicates, two consumers on one durable pull consumer, one hung mid-handler and
+//! killed with its connection, then restarted; retryable and terminal handler errors.
+//! Every unique message must take effect exactly once, nothing may be lost, terminal
+//! ones must reach the dead-letter subject, and no message may be acked before its
+//! record is written.
+
+use std::collections::{HashMap, HashSet};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use async_nats::jetstream::{self, consumer::pull, stream};
+use idempotent::consume::nats::{NatsConsumer, NatsMessage};
+use idempotent::testing::{self, block_on};
+use idempotent::{
+    Claim, Classify, Disposition, DispositionExt, Key, MemoryStore, Store, idempotent,
+};
+
+const UNIQUE: u64 = 1_600;
+const PUBLISHED: u64 = 2_000;
+
+#[derive(Debug, thiserror::Error, Classify)]
+enum Fault {
+    #[error("database timed out")]
+    #[idempotent(retryable)]
+    Flaky,
+    #[error("order rejected")]
+    #[idempotent(terminal)]
+    Rejected,
+}
+
+fn rejected(id: u64) -> bool {
+    id % 100 == 13
+}
+
+fn flaky(id: u64) -> bool {
+    id % 50 == 7
+}
+
+#[derive(Default)]
+struct World {
+    effects: Mutex<HashMap<u64, u32>>,
+    starts: Mutex<HashMap<u64, u32>>,
+    hung: tokio::sync::Notify,
+}
+
+#[idempotent(key = "{/id}", store = store, namespace = "nats", max_attempts = 3, lease = 2)]
+async fn handle(
+    msg: NatsMessage,
+    store: &MemoryStore,
+    world: &World,
+    doomed: bool,
+) -> Result<(), Fault> {
+    let id = order_id(&msg.payload);
+    let start = {
+        let mut starts = world.starts.lock().unwrap();
+        let n = starts.entry(id).or_default();
+        *n += 1;
+        *n
+    };
+    if rejected(id) {
+        return Err(Fault::Rejected);
+    }
+    if flaky(id) && start == 1 {
+        return Err(Fault::Flaky);
+    }
+    if doomed && world.effects.lock().unwrap().len() >= 300 {
+        world.hung.notify_one();
+        std::future::pending::<()>().await;
+    }
+    *world.effects.lock().unwrap().entry(id).or_default() += 1;
+    Ok(())
+}
+
+fn order_id(body: &[u8]) -> u64 {
+    let value: idempotent::serde_json::Value = idempotent::serde_json::from_slice(body).unwrap();
+    value["id"].as_u64().unwrap()
+}
+
+async fn connect() -> Option<async_nats::Client> {
+    let url = std::env::var("NATS_URL").unwrap_or_else(|_| "127.0.0.1:4222".into());
+    match async_nats::connect(&url).await {
+        Ok(c) => Some(c),
+        Err(e) => {
+            assert!(std::env::var_os("CI").is_none(), "CI needs NATS at {url}: {e}");
+            eprintln!("skipped: no NATS at {url} ({e})");
+            None
+        }
+    }
+}
+
+#[test]
+fn two_consumers_one_killed_every_message_once() {
+    block_on(async {
+        let Some(client) = connect().await else { return };
+        let js = jetstream::new(client);
+        let name = testing::fresh_key("orders").namespace().to_owned();
+        let (subject, dead_subject) = (format!("{name}.orders"), format!("{name}.dead"));
+        let orders = js
+            .get_or_create_stream(stream::Config {
+                name: name.clone(),
+                subjects: vec![subject.clone()],
+                ..Default::default()
+            })
+            .await
+            .unwrap();
+        let mut dead = js
+            .get_or_create_stream(stream::Config {
+                name: format!("{name}-dead"),
+                subjects: vec![dead_subject.clone()],
+                ..Default::default()
+            })
+            .await
+            .unwrap();
+        let mut durable = orders
+            .get_or_create_consumer(
+                "billing",
+                pull::Config {
+                    durable_name: Some("billing".into()),
+                    ack_wait: Duration::from_secs(2),
+                    ..Default::default()
+                },
+            )
+            .await
+            .unwrap();
+
+        let mut next = 0;
+        for i in 0..PUBLISHED {
+            let id = if i % 5 == 4 {
+                (i * 7) % next
+            } else {
+                next += 1;
+                next - 1
+            };
+            let body = format!(r#"{{"id":{id},"amount_cents":{}}}"#, 100 + id);
+            js.publish(subject.clone(), body.into()).await.unwrap().await.unwrap();
+        }
+        assert_eq!(next, UNIQUE);
+
+        let store = Arc::new(MemoryStore::new());
+        let world = Arc::new(World::default());
+        let acked = Arc::new(Mutex::new(0usize));
+        let consumer = |doomed: bool| {
+            let (store, world, acked) = (store.clone(), world.clone(), acked.clone());
+            let (stream_name, dead_subject) = (name.clone(), dead_subject.clone());
+            tokio::spawn(async move {
+                // Its own connection: killing the task drops it.
+                let js = jetstream::new(connect().await.unwrap());
+                let durable: jetstream::consumer::PullConsumer =
+                    js.get_consumer_from_stream("billing", &stream_name).await.unwrap();
+                let mut consumer = NatsConsumer::new(&durable, js.clone())
+                    .await
+                    .unwrap()
+                    .dead_letter_subject(dead_subject)
+                    .retry_delay(Duration::from_millis(200));
+                loop {
+                    let settled = consumer.next(|m| async {
+                        let id = order_id(&m.payload);
+                        let result = handle(m, &store, &world, doomed).await;
+                        if result.disposition() == Disposition::Ack {
+                            // The ack comes right after this: the record must be written.
+                            let key = Key::new("nats", id.to_string()).unwrap();
+                            let claim = store
+                                .claim(&key, testing::LEASE, testing::TTL, None)
+                                .await
+                                .unwrap();
+                            assert!(
+                                matches!(claim, Claim::Done | Claim::Failed { .. }),
+                                "{id}: {claim:?}"
+                            );
+                            *acked.lock().unwrap() += 1;
+                        }
+                        result
+                    });
+                    settled.await.expect("consuming").expect("settling");
+                }
+            })
+        };
+        let hung = world.hung.notified();
+        let steady = consumer(false);
+        let doomed = consumer(true);
+        // Kill the doomed consumer mid-handler, with its connection, without acking
+        // what it holds: the server redelivers after ack_wait. Then start it again.
+        hung.await;
+        doomed.abort();
+        let _ = doomed.await;
+        let restarted = consumer(false);
+
+        let expected = (0..UNIQUE).filter(|&id| !rejected(id)).count();
+        let deadline = Instant::now() + Duration::from_secs(60);
+        loop {
+            let done = world.effects.lock().unwrap().len();
+            let info = durable.info().await.unwrap();
+            if done == expected && info.num_pending == 0 && info.num_ack_pending == 0 {
+                break;
+            }
+            let stuck = format!(
+                "stuck: {done}/{expected} done, {} pending, {} unacked",
+                info.num_pending, info.num_ack_pending
+            );
+            assert!(Instant::now() < deadline, "{stuck}");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        steady.abort();
+        restarted.abort();
+
+        let effects = world.effects.lock().unwrap().clone();
+        for id in 0..UNIQUE {
+            let want = if rejected(id) { None } else { Some(&1) };
+            assert_eq!(effects.get(&id), want, "order {id}");
+        }
+        let starts = world.starts.lock().unwrap().clone();
+        assert!(
+            (0..UNIQUE).filter(|&id| flaky(id)).all(|id| starts[&id] >= 2),
+            "flaky ones retried"
+        );
+
+        let dead_count = dead.info().await.unwrap().state.messages;
+        let mut dead_ids = HashSet::new();
+        for sequence in 1..=dead_count {
+            dead_ids.insert(order_id(&dead.get_raw_message(sequence).await.unwrap().payload));
+        }
+        let want: HashSet<u64> = (0..UNIQUE).filter(|&id| rejected(id)).collect();
+        assert_eq!(dead_ids, want, "exactly the rejected orders are dead-lettered");
+        assert!(*acked.lock().unwrap() >= 1_900);
+        js.delete_stream(&name).await.unwrap();
+        js.delete_stream(format!("{name}-dead")).await.unwrap();
+    });
+}
