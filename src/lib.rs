@@ -174,7 +174,12 @@ pub use idempotent_runtime::serde_json;
 #[cfg(feature = "redis")]
 pub use idempotent_runtime::{RedisStore, redis_store};
 
-#[cfg(any(feature = "redis-streams", feature = "rabbitmq", feature = "nats"))]
+#[cfg(any(
+    feature = "redis-streams",
+    feature = "rabbitmq",
+    feature = "nats",
+    feature = "kafka"
+))]
 pub use idempotent_runtime::consume;
 
 /// What the `#[idempotent]` expansion calls. Not a public API: it changes without

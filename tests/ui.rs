@@ -12,7 +12,8 @@ fn ui() {
         feature = "redis-streams",
         feature = "redis-tls",
         feature = "rabbitmq",
-        feature = "nats"
+        feature = "nats",
+        feature = "kafka"
     )) {
         eprintln!("skipped: the expected compiler output is recorded with --all-features");
         return;

@@ -16,7 +16,7 @@
 
 pub mod alert;
 mod classify;
-#[cfg(any(feature = "redis-streams", feature = "rabbitmq", feature = "nats"))]
+#[cfg(any(feature = "redis-streams", feature = "rabbitmq", feature = "nats", feature = "kafka"))]
 pub mod consume;
 mod error;
 pub mod execute;

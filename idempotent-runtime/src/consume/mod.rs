@@ -8,6 +8,8 @@
 //! written, and a consumer that dies mid-handler leaves its deliveries unacked for
 //! redelivery.
 
+#[cfg(feature = "kafka")]
+pub mod kafka;
 #[cfg(feature = "nats")]
 pub mod nats;
 #[cfg(feature = "rabbitmq")]

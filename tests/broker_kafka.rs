@@ -1,0 +1,310 @@
+//! Kafka, end to end, against a real Kafka-protocol broker (`tansu`, started by the
+//! test on a free port): 2,000 published records of which 20% are redelivered
+//! duplicates, two group members, one hung mid-handler and killed then restarted,
+//! retryable and terminal handler errors. Every unique message must take effect
+//! exactly once, nothing may be lost (the group's committed offsets reach the end of
+//! every partition), terminal ones must reach the dead-letter topic, and no offset may
+//! be committed before its record is written.
+
+use std::collections::{HashMap, HashSet};
+use std::net::TcpListener;
+use std::process::{Child, Command, Stdio};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use idempotent::consume::kafka::{KafkaConsumer, KafkaMessage};
+use idempotent::testing::{self, block_on};
+use idempotent::{
+    Claim, Classify, Disposition, DispositionExt, Key, MemoryStore, Store, idempotent,
+};
+use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
+use rdkafka::client::DefaultClientContext;
+use rdkafka::config::ClientConfig;
+use rdkafka::consumer::{BaseConsumer, Consumer, StreamConsumer};
+use rdkafka::message::Message;
+use rdkafka::producer::{FutureProducer, FutureRecord};
+use rdkafka::{Offset, TopicPartitionList};
+
+const UNIQUE: u64 = 1_600;
+const PUBLISHED: u64 = 2_000;
+const PARTITIONS: i32 = 3;
+
+#[derive(Debug, thiserror::Error, Classify)]
+enum Fault {
+    #[error("database timed out")]
+    #[idempotent(retryable)]
+    Flaky,
+    #[error("order rejected")]
+    #[idempotent(terminal)]
+    Rejected,
+}
+
+fn rejected(id: u64) -> bool {
+    id % 100 == 13
+}
+
+fn flaky(id: u64) -> bool {
+    id % 50 == 7
+}
+
+#[derive(Default)]
+struct World {
+    effects: Mutex<HashMap<u64, u32>>,
+    starts: Mutex<HashMap<u64, u32>>,
+    hung: tokio::sync::Notify,
+}
+
+#[idempotent(key = "{/id}", store = store, namespace = "kafka", max_attempts = 3, lease = 10)]
+async fn handle(
+    msg: KafkaMessage,
+    store: &MemoryStore,
+    world: &World,
+    doomed: bool,
+) -> Result<(), Fault> {
+    let id = order_id(&msg.payload);
+    let start = {
+        let mut starts = world.starts.lock().unwrap();
+        let n = starts.entry(id).or_default();
+        *n += 1;
+        *n
+    };
+    if rejected(id) {
+        return Err(Fault::Rejected);
+    }
+    if flaky(id) && start == 1 {
+        return Err(Fault::Flaky);
+    }
+    if doomed && world.effects.lock().unwrap().len() >= 300 {
+        world.hung.notify_one();
+        std::future::pending::<()>().await;
+    }
+    *world.effects.lock().unwrap().entry(id).or_default() += 1;
+    Ok(())
+}
+
+fn order_id(body: &[u8]) -> u64 {
+    let value: idempotent::serde_json::Value = idempotent::serde_json::from_slice(body).unwrap();
+    value["id"].as_u64().unwrap()
+}
+
+/// A `tansu` broker of this test's own, keeping everything in memory.
+struct Broker {
+    child: Child,
+    address: String,
+}
+
+impl Broker {
+    fn start() -> Option<Broker> {
+        if Command::new("tansu").arg("--help").output().is_err() {
+            assert!(std::env::var_os("CI").is_none(), "CI needs the tansu broker");
+            eprintln!(
+                "skipped: tansu is not installed (cargo install tansu --locked --features dynostore)"
+            );
+            return None;
+        }
+        let port = TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+        let url = format!("tcp://127.0.0.1:{port}");
+        let child = Command::new("tansu")
+            .args(["broker", "--listener-url", &url, "--advertised-listener-url", &url])
+            .args(["--storage-engine", "memory://tansu/"])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        let address = format!("127.0.0.1:{port}");
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while std::net::TcpStream::connect(&address).is_err() {
+            assert!(Instant::now() < deadline, "tansu did not start");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        Some(Broker { child, address })
+    }
+
+    fn config(&self) -> ClientConfig {
+        let mut config = ClientConfig::new();
+        config.set("bootstrap.servers", &self.address);
+        config
+    }
+}
+
+impl Drop for Broker {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn member(broker: &Broker, topic: &str) -> StreamConsumer {
+    let consumer: StreamConsumer = broker
+        .config()
+        .set("group.id", "billing")
+        .set("enable.auto.commit", "false")
+        .set("auto.offset.reset", "earliest")
+        .set("session.timeout.ms", "6000")
+        .set("heartbeat.interval.ms", "500")
+        .create()
+        .unwrap();
+    consumer.subscribe(&[topic]).unwrap();
+    consumer
+}
+
+#[test]
+fn two_members_one_killed_every_message_once() {
+    let Some(broker) = Broker::start() else { return };
+    let broker = Arc::new(broker);
+    block_on(async {
+        let topic = testing::fresh_key("orders").namespace().to_owned();
+        let dead_topic = format!("{topic}.dead");
+        let admin: AdminClient<DefaultClientContext> = broker.config().create().unwrap();
+        let topics = [
+            NewTopic::new(&topic, PARTITIONS, TopicReplication::Fixed(1)),
+            NewTopic::new(&dead_topic, 1, TopicReplication::Fixed(1)),
+        ];
+        for created in admin.create_topics(&topics, &AdminOptions::new()).await.unwrap() {
+            created.unwrap();
+        }
+
+        let producer: FutureProducer = broker.config().create().unwrap();
+        let mut next = 0;
+        for i in 0..PUBLISHED {
+            let id = if i % 5 == 4 {
+                (i * 7) % next
+            } else {
+                next += 1;
+                next - 1
+            };
+            let body = format!(r#"{{"id":{id},"amount_cents":{}}}"#, 100 + id);
+            let key = id.to_string();
+            let record = FutureRecord::to(&topic).key(&key).payload(&body);
+            producer.send(record, Duration::from_secs(10)).await.map_err(|(e, _)| e).unwrap();
+        }
+        assert_eq!(next, UNIQUE);
+
+        let store = Arc::new(MemoryStore::new());
+        let world = Arc::new(World::default());
+        let acked = Arc::new(Mutex::new(0usize));
+        let start_member = |doomed: bool| {
+            let (store, world, acked) = (store.clone(), world.clone(), acked.clone());
+            let (broker, topic, dead_topic) = (broker.clone(), topic.clone(), dead_topic.clone());
+            tokio::spawn(async move {
+                let producer: FutureProducer = broker.config().create().unwrap();
+                let mut consumer =
+                    KafkaConsumer::new(member(&broker, &topic), producer, dead_topic)
+                        .retry_delay(Duration::from_millis(100));
+                loop {
+                    let settled = consumer.next(|m| async {
+                        let id = order_id(&m.payload);
+                        let result = handle(m, &store, &world, doomed).await;
+                        if result.disposition() == Disposition::Ack {
+                            // The commit comes right after this: the record must be written.
+                            let key = Key::new("kafka", id.to_string()).unwrap();
+                            let claim = store
+                                .claim(&key, testing::LEASE, testing::TTL, None)
+                                .await
+                                .unwrap();
+                            assert!(
+                                matches!(claim, Claim::Done | Claim::Failed { .. }),
+                                "{id}: {claim:?}"
+                            );
+                            *acked.lock().unwrap() += 1;
+                        }
+                        result
+                    });
+                    settled.await.expect("consuming");
+                }
+            })
+        };
+        let hung = world.hung.notified();
+        let steady = start_member(false);
+        let doomed = start_member(true);
+        // Kill the doomed member mid-handler, without committing what it holds; its
+        // partitions go to the other member from the last committed offsets.
+        hung.await;
+        doomed.abort();
+        let _ = doomed.await;
+        let restarted = start_member(false);
+
+        let expected = (0..UNIQUE).filter(|&id| !rejected(id)).count();
+        let deadline = Instant::now() + Duration::from_secs(120);
+        loop {
+            let done = world.effects.lock().unwrap().len();
+            let (committed, ends) = {
+                let broker = broker.clone();
+                let topic = topic.clone();
+                tokio::task::spawn_blocking(move || committed_and_end(&broker, &topic))
+                    .await
+                    .unwrap()
+            };
+            if done == expected && committed == ends {
+                break;
+            }
+            let stuck =
+                format!("stuck: {done}/{expected} done, committed {committed:?} of {ends:?}");
+            assert!(Instant::now() < deadline, "{stuck}");
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+        steady.abort();
+        restarted.abort();
+
+        let effects = world.effects.lock().unwrap().clone();
+        for id in 0..UNIQUE {
+            let want = if rejected(id) { None } else { Some(&1) };
+            assert_eq!(effects.get(&id), want, "order {id}");
+        }
+        let starts = world.starts.lock().unwrap().clone();
+        assert!(
+            (0..UNIQUE).filter(|&id| flaky(id)).all(|id| starts[&id] >= 2),
+            "flaky ones retried"
+        );
+
+        let want: HashSet<u64> = (0..UNIQUE).filter(|&id| rejected(id)).collect();
+        let broker2 = broker.clone();
+        let dead_ids =
+            tokio::task::spawn_blocking(move || read_all(&broker2, &dead_topic)).await.unwrap();
+        assert_eq!(dead_ids, want, "exactly the rejected orders are dead-lettered");
+        assert!(*acked.lock().unwrap() >= 1_900);
+    });
+}
+
+/// The group's committed offset and the end offset of each partition.
+fn committed_and_end(broker: &Broker, topic: &str) -> (Vec<i64>, Vec<i64>) {
+    let probe: BaseConsumer = broker.config().set("group.id", "billing").create().unwrap();
+    let mut partitions = TopicPartitionList::new();
+    for p in 0..PARTITIONS {
+        partitions.add_partition(topic, p);
+    }
+    let committed = probe.committed_offsets(partitions, Duration::from_secs(5)).unwrap();
+    let committed = (0..PARTITIONS)
+        .map(|p| match committed.find_partition(topic, p).map(|e| e.offset()) {
+            Some(Offset::Offset(o)) => o,
+            _ => 0,
+        })
+        .collect();
+    let ends = (0..PARTITIONS)
+        .map(|p| probe.fetch_watermarks(topic, p, Duration::from_secs(5)).unwrap().1)
+        .collect();
+    (committed, ends)
+}
+
+/// Every order id on `topic`, read from the start.
+fn read_all(broker: &Broker, topic: &str) -> HashSet<u64> {
+    let reader: BaseConsumer = broker
+        .config()
+        .set("group.id", format!("inspect-{topic}"))
+        .set("auto.offset.reset", "earliest")
+        .set("enable.auto.commit", "false")
+        .create()
+        .unwrap();
+    reader.subscribe(&[topic]).unwrap();
+    let mut ids = HashSet::new();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let end = reader.fetch_watermarks(topic, 0, Duration::from_secs(5)).unwrap().1;
+    let mut seen = 0;
+    while seen < end && Instant::now() < deadline {
+        if let Some(Ok(message)) = reader.poll(Duration::from_millis(200)) {
+            ids.insert(order_id(message.payload().unwrap_or_default()));
+            seen += 1;
+        }
+    }
+    ids
+}
