@@ -6,7 +6,7 @@
 //! every partition), terminal ones must reach the dead-letter topic, and no offset may
 //! be committed before its record is written.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashSet;
 use std::net::TcpListener;
 use std::process::{Child, Command, Stdio};
 use std::sync::{Arc, Mutex};
@@ -14,9 +14,8 @@ use std::time::{Duration, Instant};
 
 use idempotent::consume::kafka::{KafkaConsumer, KafkaMessage};
 use idempotent::testing::{self, block_on};
-use idempotent::{
-    Claim, Classify, Disposition, DispositionExt, Key, MemoryStore, Store, idempotent,
-};
+use idempotent::{MemoryStore, idempotent};
+use orders::{Fault, World, order_id};
 use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
 use rdkafka::client::DefaultClientContext;
 use rdkafka::config::ClientConfig;
@@ -25,34 +24,9 @@ use rdkafka::message::Message;
 use rdkafka::producer::{FutureProducer, FutureRecord};
 use rdkafka::{Offset, TopicPartitionList};
 
-const UNIQUE: u64 = 1_600;
-const PUBLISHED: u64 = 2_000;
+mod orders;
+
 const PARTITIONS: i32 = 3;
-
-#[derive(Debug, thiserror::Error, Classify)]
-enum Fault {
-    #[error("database timed out")]
-    #[idempotent(retryable)]
-    Flaky,
-    #[error("order rejected")]
-    #[idempotent(terminal)]
-    Rejected,
-}
-
-fn rejected(id: u64) -> bool {
-    id % 100 == 13
-}
-
-fn flaky(id: u64) -> bool {
-    id % 50 == 7
-}
-
-#[derive(Default)]
-struct World {
-    effects: Mutex<HashMap<u64, u32>>,
-    starts: Mutex<HashMap<u64, u32>>,
-    hung: tokio::sync::Notify,
-}
 
 #[idempotent(key = "{/id}", store = store, namespace = "kafka", max_attempts = 3, lease = 10)]
 async fn handle(
@@ -61,30 +35,7 @@ async fn handle(
     world: &World,
     doomed: bool,
 ) -> Result<(), Fault> {
-    let id = order_id(&msg.payload);
-    let start = {
-        let mut starts = world.starts.lock().unwrap();
-        let n = starts.entry(id).or_default();
-        *n += 1;
-        *n
-    };
-    if rejected(id) {
-        return Err(Fault::Rejected);
-    }
-    if flaky(id) && start == 1 {
-        return Err(Fault::Flaky);
-    }
-    if doomed && world.effects.lock().unwrap().len() >= 300 {
-        world.hung.notify_one();
-        std::future::pending::<()>().await;
-    }
-    *world.effects.lock().unwrap().entry(id).or_default() += 1;
-    Ok(())
-}
-
-fn order_id(body: &[u8]) -> u64 {
-    let value: idempotent::serde_json::Value = idempotent::serde_json::from_slice(body).unwrap();
-    value["id"].as_u64().unwrap()
+    world.process(order_id(&msg.payload), doomed).await
 }
 
 /// A `tansu` broker of this test's own, keeping everything in memory.
@@ -165,20 +116,12 @@ fn two_members_one_killed_every_message_once() {
         }
 
         let producer: FutureProducer = broker.config().create().unwrap();
-        let mut next = 0;
-        for i in 0..PUBLISHED {
-            let id = if i % 5 == 4 {
-                (i * 7) % next
-            } else {
-                next += 1;
-                next - 1
-            };
-            let body = format!(r#"{{"id":{id},"amount_cents":{}}}"#, 100 + id);
+        for id in orders::published() {
+            let body = orders::body(id);
             let key = id.to_string();
             let record = FutureRecord::to(&topic).key(&key).payload(&body);
             producer.send(record, Duration::from_secs(10)).await.map_err(|(e, _)| e).unwrap();
         }
-        assert_eq!(next, UNIQUE);
 
         let store = Arc::new(MemoryStore::new());
         let world = Arc::new(World::default());
@@ -195,19 +138,8 @@ fn two_members_one_killed_every_message_once() {
                     let settled = consumer.next(|m| async {
                         let id = order_id(&m.payload);
                         let result = handle(m, &store, &world, doomed).await;
-                        if result.disposition() == Disposition::Ack {
-                            // The commit comes right after this: the record must be written.
-                            let key = Key::new("kafka", id.to_string()).unwrap();
-                            let claim = store
-                                .claim(&key, testing::LEASE, testing::TTL, None)
-                                .await
-                                .unwrap();
-                            assert!(
-                                matches!(claim, Claim::Done | Claim::Failed { .. }),
-                                "{id}: {claim:?}"
-                            );
-                            *acked.lock().unwrap() += 1;
-                        }
+                        orders::check_recorded_before_ack(&*store, "kafka", id, &result, &acked)
+                            .await;
                         result
                     });
                     settled.await.expect("consuming");
@@ -224,7 +156,7 @@ fn two_members_one_killed_every_message_once() {
         let _ = doomed.await;
         let restarted = start_member(false);
 
-        let expected = (0..UNIQUE).filter(|&id| !rejected(id)).count();
+        let expected = World::expected();
         let deadline = Instant::now() + Duration::from_secs(120);
         loop {
             let done = world.effects.lock().unwrap().len();
@@ -246,18 +178,9 @@ fn two_members_one_killed_every_message_once() {
         steady.abort();
         restarted.abort();
 
-        let effects = world.effects.lock().unwrap().clone();
-        for id in 0..UNIQUE {
-            let want = if rejected(id) { None } else { Some(&1) };
-            assert_eq!(effects.get(&id), want, "order {id}");
-        }
-        let starts = world.starts.lock().unwrap().clone();
-        assert!(
-            (0..UNIQUE).filter(|&id| flaky(id)).all(|id| starts[&id] >= 2),
-            "flaky ones retried"
-        );
+        world.assert_exactly_once();
 
-        let want: HashSet<u64> = (0..UNIQUE).filter(|&id| rejected(id)).collect();
+        let want = World::rejected_orders();
         let broker2 = broker.clone();
         let dead_ids =
             tokio::task::spawn_blocking(move || read_all(&broker2, &dead_topic)).await.unwrap();

@@ -4,46 +4,19 @@
 //! take effect exactly once, nothing may be lost, terminal ones must reach the
 //! dead-letter queue, and no delivery may be acked before its record is written.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashSet;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use idempotent::consume::rabbitmq::{RabbitConsumer, RabbitMessage, declare_with_dead_letter};
 use idempotent::testing::{self, block_on};
-use idempotent::{
-    Claim, Classify, Disposition, DispositionExt, Key, MemoryStore, Store, idempotent,
-};
+use idempotent::{MemoryStore, idempotent};
 use lapin::options::{BasicGetOptions, BasicPublishOptions, BasicQosOptions, QueueDeclareOptions};
 use lapin::types::FieldTable;
 use lapin::{BasicProperties, Channel, Connection, ConnectionProperties};
+use orders::{Fault, World, order_id};
 
-const UNIQUE: u64 = 1_600;
-const PUBLISHED: u64 = 2_000;
-
-#[derive(Debug, thiserror::Error, Classify)]
-enum Fault {
-    #[error("database timed out")]
-    #[idempotent(retryable)]
-    Flaky,
-    #[error("order rejected")]
-    #[idempotent(terminal)]
-    Rejected,
-}
-
-fn rejected(id: u64) -> bool {
-    id % 100 == 13
-}
-
-fn flaky(id: u64) -> bool {
-    id % 50 == 7
-}
-
-#[derive(Default)]
-struct World {
-    effects: Mutex<HashMap<u64, u32>>,
-    starts: Mutex<HashMap<u64, u32>>,
-    hung: tokio::sync::Notify,
-}
+mod orders;
 
 #[idempotent(key = "{/id}", store = store, namespace = "rabbit", max_attempts = 3, lease = 2)]
 async fn handle(
@@ -52,30 +25,7 @@ async fn handle(
     world: &World,
     doomed: bool,
 ) -> Result<(), Fault> {
-    let id = order_id(&msg.body);
-    let start = {
-        let mut starts = world.starts.lock().unwrap();
-        let n = starts.entry(id).or_default();
-        *n += 1;
-        *n
-    };
-    if rejected(id) {
-        return Err(Fault::Rejected);
-    }
-    if flaky(id) && start == 1 {
-        return Err(Fault::Flaky);
-    }
-    if doomed && world.effects.lock().unwrap().len() >= 300 {
-        world.hung.notify_one();
-        std::future::pending::<()>().await;
-    }
-    *world.effects.lock().unwrap().entry(id).or_default() += 1;
-    Ok(())
-}
-
-fn order_id(body: &[u8]) -> u64 {
-    let value: idempotent::serde_json::Value = idempotent::serde_json::from_slice(body).unwrap();
-    value["id"].as_u64().unwrap()
+    world.process(order_id(&msg.body), doomed).await
 }
 
 async fn connect() -> Option<Connection> {
@@ -103,15 +53,8 @@ fn two_consumers_one_killed_every_message_once() {
         let queue = testing::fresh_key("orders").namespace().to_owned();
         let channel = publisher.create_channel().await.unwrap();
         let dead = declare_with_dead_letter(&channel, &queue).await.unwrap();
-        let mut next = 0;
-        for i in 0..PUBLISHED {
-            let id = if i % 5 == 4 {
-                (i * 7) % next
-            } else {
-                next += 1;
-                next - 1
-            };
-            let body = format!(r#"{{"id":{id},"amount_cents":{}}}"#, 100 + id);
+        for id in orders::published() {
+            let body = orders::body(id);
             let props = BasicProperties::default();
             let options = BasicPublishOptions::default();
             channel
@@ -121,7 +64,6 @@ fn two_consumers_one_killed_every_message_once() {
                 .await
                 .unwrap();
         }
-        assert_eq!(next, UNIQUE);
 
         let store = Arc::new(MemoryStore::new());
         let world = Arc::new(World::default());
@@ -140,19 +82,10 @@ fn two_consumers_one_killed_every_message_once() {
                             let settled = consumer.next(|m| async {
                                 let id = order_id(&m.body);
                                 let result = handle(m, &store, &world, doomed).await;
-                                if result.disposition() == Disposition::Ack {
-                                    // The ack comes right after this: the record must be written.
-                                    let key = Key::new("rabbit", id.to_string()).unwrap();
-                                    let claim = store
-                                        .claim(&key, testing::LEASE, testing::TTL, None)
-                                        .await
-                                        .unwrap();
-                                    assert!(
-                                        matches!(claim, Claim::Done | Claim::Failed { .. }),
-                                        "{id}: {claim:?}"
-                                    );
-                                    *acked.lock().unwrap() += 1;
-                                }
+                                orders::check_recorded_before_ack(
+                                    &*store, "rabbit", id, &result, &acked,
+                                )
+                                .await;
                                 result
                             });
                             settled.await.expect("consuming").expect("settling");
@@ -173,7 +106,7 @@ fn two_consumers_one_killed_every_message_once() {
         doomed_conn.close(320, "killed").await.unwrap();
         let (_restarted_conn, restarted) = consumer("doomed", false).await;
 
-        let expected = (0..UNIQUE).filter(|&id| !rejected(id)).count();
+        let expected = World::expected();
         let deadline = Instant::now() + Duration::from_secs(60);
         loop {
             let done = world.effects.lock().unwrap().len();
@@ -188,16 +121,7 @@ fn two_consumers_one_killed_every_message_once() {
         steady.abort();
         restarted.abort();
 
-        let effects = world.effects.lock().unwrap().clone();
-        for id in 0..UNIQUE {
-            let want = if rejected(id) { None } else { Some(&1) };
-            assert_eq!(effects.get(&id), want, "order {id}");
-        }
-        let starts = world.starts.lock().unwrap().clone();
-        assert!(
-            (0..UNIQUE).filter(|&id| flaky(id)).all(|id| starts[&id] >= 2),
-            "flaky ones retried"
-        );
+        world.assert_exactly_once();
 
         let mut dead_ids = HashSet::new();
         while let Some(message) =
@@ -205,7 +129,7 @@ fn two_consumers_one_killed_every_message_once() {
         {
             dead_ids.insert(order_id(&message.delivery.data));
         }
-        let want: HashSet<u64> = (0..UNIQUE).filter(|&id| rejected(id)).collect();
+        let want = World::rejected_orders();
         assert_eq!(dead_ids, want, "exactly the rejected orders are dead-lettered");
         assert!(*acked.lock().unwrap() >= 1_900);
         for q in [&queue, &dead] {

@@ -4,6 +4,7 @@
 //! exactly once, nothing may be lost, terminal ones must reach the dead-letter stream,
 //! and no entry may be acked before its record is written.
 
+mod orders;
 mod support;
 
 use std::collections::{HashMap, HashSet};
@@ -12,42 +13,10 @@ use std::time::{Duration, Instant};
 
 use idempotent::consume::redis_streams::{StreamConsumer, StreamMessage};
 use idempotent::testing::{self, block_on};
-use idempotent::{Claim, Classify, Key, RedisStore, Store, idempotent};
+use idempotent::{Claim, Key, RedisStore, Store, idempotent};
+use orders::{Fault, World, order_id};
 use redis::aio::ConnectionManager;
 
-const UNIQUE: u64 = 1_600;
-const PUBLISHED: u64 = 2_000;
-
-#[derive(Debug, thiserror::Error, Classify)]
-enum Fault {
-    #[error("database timed out")]
-    #[idempotent(retryable)]
-    Flaky,
-    #[error("order rejected")]
-    #[idempotent(terminal)]
-    Rejected,
-}
-
-fn rejected(id: u64) -> bool {
-    id % 100 == 13
-}
-
-fn flaky(id: u64) -> bool {
-    id % 50 == 7
-}
-
-#[derive(Default)]
-struct World {
-    effects: Mutex<HashMap<u64, u32>>,
-    starts: Mutex<HashMap<u64, u32>>,
-    /// Told when the doomed consumer hangs mid-handler.
-    hung: tokio::sync::Notify,
-}
-
-/// `doomed`: this consumer hangs mid-handler (before the effect) once 300 orders took
-/// effect, and is killed there. (A kill between the effect and its DONE record would
-/// run the effect again after the lease: only a transaction spanning both, as the
-/// PostgreSQL store's transactional mode gives, closes that window.)
 #[idempotent(key = "{/id}", store = store, namespace = "streams", max_attempts = 3, lease = 2)]
 async fn handle(
     msg: StreamMessage,
@@ -55,30 +24,7 @@ async fn handle(
     world: &World,
     doomed: bool,
 ) -> Result<(), Fault> {
-    let id = serde_json_id(msg.body());
-    let start = {
-        let mut starts = world.starts.lock().unwrap();
-        let n = starts.entry(id).or_default();
-        *n += 1;
-        *n
-    };
-    if rejected(id) {
-        return Err(Fault::Rejected);
-    }
-    if flaky(id) && start == 1 {
-        return Err(Fault::Flaky);
-    }
-    if doomed && world.effects.lock().unwrap().len() >= 300 {
-        world.hung.notify_one();
-        std::future::pending::<()>().await;
-    }
-    *world.effects.lock().unwrap().entry(id).or_default() += 1;
-    Ok(())
-}
-
-fn serde_json_id(body: &[u8]) -> u64 {
-    let value: idempotent::serde_json::Value = idempotent::serde_json::from_slice(body).unwrap();
-    value["id"].as_u64().unwrap()
+    world.process(order_id(msg.body()), doomed).await
 }
 
 /// Entry id → business id, for every entry of `stream`.
@@ -90,7 +36,7 @@ async fn entries(conn: &mut ConnectionManager, stream: &str) -> HashMap<String, 
         .into_iter()
         .map(|e| {
             let body: Vec<u8> = redis::from_redis_value(e.map["payload"].clone()).unwrap();
-            (e.id, serde_json_id(&body))
+            (e.id, order_id(&body))
         })
         .collect()
 }
@@ -107,15 +53,8 @@ fn two_consumers_one_killed_every_message_once() {
         let mut conn = store.connection_manager().unwrap().clone();
 
         // Every fifth entry redelivers an earlier order: 1,600 orders, 2,000 entries.
-        let mut next = 0;
-        for i in 0..PUBLISHED {
-            let id = if i % 5 == 4 {
-                (i * 7) % next
-            } else {
-                next += 1;
-                next - 1
-            };
-            let body = format!(r#"{{"id":{id},"amount_cents":{}}}"#, 100 + id);
+        for id in orders::published() {
+            let body = orders::body(id);
             let _: String = redis::cmd("XADD")
                 .arg(&stream)
                 .arg("*")
@@ -125,7 +64,6 @@ fn two_consumers_one_killed_every_message_once() {
                 .await
                 .unwrap();
         }
-        assert_eq!(next, UNIQUE);
 
         let world = Arc::new(World::default());
         let acked = Arc::new(Mutex::new(Vec::<String>::new()));
@@ -174,7 +112,7 @@ fn two_consumers_one_killed_every_message_once() {
                 .unwrap();
             let lag: Option<u64> = redis::from_redis_value(groups[0]["lag"].clone()).ok();
             let done = world.effects.lock().unwrap().len() as u64;
-            let expected = (0..UNIQUE).filter(|&id| !rejected(id)).count() as u64;
+            let expected = World::expected() as u64;
             if pending == 0 && lag == Some(0) && done == expected {
                 break;
             }
@@ -185,23 +123,14 @@ fn two_consumers_one_killed_every_message_once() {
         a.abort();
         b.abort();
 
-        // Exactly once, nothing lost.
-        let effects = world.effects.lock().unwrap().clone();
-        for id in (0..UNIQUE).filter(|&id| !rejected(id)) {
-            assert_eq!(effects.get(&id), Some(&1), "order {id}");
-        }
-        for id in (0..UNIQUE).filter(|&id| rejected(id)) {
-            assert_eq!(effects.get(&id), None, "rejected order {id} took effect");
-        }
-        // Terminal ones reached the dead-letter stream.
+        // Exactly once, nothing lost; terminal ones reached the dead-letter stream.
+        world.assert_exactly_once();
         let dead_ids: HashSet<u64> = entries(&mut conn, &dead).await.into_values().collect();
-        for id in (0..UNIQUE).filter(|&id| rejected(id)) {
-            assert!(dead_ids.contains(&id), "rejected order {id} is not in {dead}");
-        }
-        assert!(dead_ids.iter().all(|&id| rejected(id)), "only rejected orders are dead-lettered");
-        // Flaky orders were retried, and each took effect once.
-        let starts = world.starts.lock().unwrap().clone();
-        assert!((0..UNIQUE).filter(|&id| flaky(id)).all(|id| starts[&id] >= 2));
+        assert_eq!(
+            dead_ids,
+            World::rejected_orders(),
+            "exactly the rejected orders are dead-lettered"
+        );
 
         // No entry was acked before its record was written: every acked entry's key
         // is DONE or FAILED in the store.
