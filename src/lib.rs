@@ -174,6 +174,9 @@ pub use idempotent_runtime::serde_json;
 #[cfg(feature = "redis")]
 pub use idempotent_runtime::{RedisStore, redis_store};
 
+#[cfg(feature = "postgres")]
+pub use idempotent_runtime::{PostgresStore, postgres_store};
+
 #[cfg(any(
     feature = "redis-streams",
     feature = "rabbitmq",

@@ -24,6 +24,8 @@ mod key;
 mod memory;
 mod outcome;
 mod payload;
+#[cfg(feature = "postgres")]
+pub mod postgres_store;
 #[cfg(feature = "redis")]
 pub mod redis_store;
 mod store;
@@ -37,6 +39,8 @@ pub use key::{Key, KeyBuilder, MAX_KEY_LEN};
 pub use memory::MemoryStore;
 pub use outcome::{Disposition, DispositionExt, Outcome};
 pub use payload::{Document, Fingerprint, Payload, PayloadRef, Unusable};
+#[cfg(feature = "postgres")]
+pub use postgres_store::PostgresStore;
 #[cfg(feature = "redis")]
 pub use redis_store::RedisStore;
 pub use store::{

@@ -1,0 +1,332 @@
+//! `PostgresStore`: records in a PostgreSQL table.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use sqlx::postgres::{PgPool, PgPoolOptions};
+
+use crate::{Claim, Fingerprint, Key, Store, StoreError, Token, Transition};
+
+/// The table records live in unless [`PostgresStore::with_table`] says otherwise.
+pub const DEFAULT_TABLE: &str = "idempotent_records";
+/// One claim in this many also deletes up to [`PURGE_BATCH`] expired records, in the
+/// background, so the table does not grow without a cron job.
+pub const PURGE_EVERY_CLAIMS: u64 = 1024;
+/// How many expired records one background purge deletes at most.
+pub const PURGE_BATCH: i64 = 1000;
+
+/// Records in PostgreSQL, through an `sqlx` pool.
+///
+/// A record is one row keyed by `namespace:id` (bytea) holding state, attempts,
+/// claim token, lease deadline, expiry, fingerprint and cached result; times are the
+/// database's `now()`, so consumers' clocks need not agree.
+///
+/// * A claim is one statement: `INSERT ... ON CONFLICT (key) DO UPDATE ... WHERE` the
+///   record is expired, released, or in progress with a lapsed lease (and its
+///   fingerprint agrees) `RETURNING`, with the existing record read in the same
+///   statement when the claim is refused.
+/// * Complete, release, fail and renew are one `UPDATE ... WHERE key = $1 AND state =
+///   'P' AND token = $2`: a consumer whose lease was taken over changes nothing.
+/// * Expired rows are deleted in the background, [`PURGE_BATCH`] at a time, every
+///   [`PURGE_EVERY_CLAIMS`] claims; or run [`purge_expired`](PostgresStore::purge_expired)
+///   (or its SQL) from a scheduler.
+///
+/// Create the table with [`migrate`](PostgresStore::migrate) (idempotent, safe to run
+/// from several processes at once) or apply [`migration_sql`](PostgresStore::migration_sql)
+/// with your own migration tool.
+#[derive(Clone)]
+pub struct PostgresStore {
+    pool: PgPool,
+    sql: Arc<Sql>,
+    claims: Arc<AtomicU64>,
+}
+
+struct Sql {
+    table: String,
+    claim: String,
+    finish: String,
+    release: String,
+    renew: String,
+    purge: String,
+}
+
+impl std::fmt::Debug for PostgresStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PostgresStore").field("table", &self.sql.table).finish()
+    }
+}
+
+impl PostgresStore {
+    /// Connects a pool of up to 10 connections to `url`
+    /// (`postgres://user:password@host:port/database`).
+    pub async fn connect(url: &str) -> Result<PostgresStore, StoreError> {
+        let pool = PgPoolOptions::new()
+            .max_connections(10)
+            .acquire_timeout(Duration::from_secs(5))
+            .connect(url)
+            .await
+            .map_err(StoreError::unavailable)?;
+        Ok(PostgresStore::from_pool(pool))
+    }
+
+    /// Uses a pool configured by the caller.
+    pub fn from_pool(pool: PgPool) -> PostgresStore {
+        PostgresStore {
+            pool,
+            sql: Arc::new(Sql::new(DEFAULT_TABLE)),
+            claims: Arc::new(AtomicU64::new(0)),
+        }
+    }
+
+    /// Keeps records in `table` (`name` or `schema.name`; letters, digits and `_`).
+    pub fn with_table(mut self, table: &str) -> Result<PostgresStore, StoreError> {
+        let valid = |part: &str| {
+            part.chars().next().is_some_and(|c| c.is_ascii_alphabetic() || c == '_')
+                && part.chars().all(|c| c.is_ascii_alphanumeric() || c == '_')
+        };
+        if table.split('.').count() > 2 || !table.split('.').all(valid) {
+            return Err(StoreError::Protocol(format!(
+                "table name `{table}` must be `name` or `schema.name` of letters, digits and `_`"
+            )));
+        }
+        self.sql = Arc::new(Sql::new(table));
+        Ok(self)
+    }
+
+    /// The pool, to run other queries on it.
+    pub fn pool(&self) -> &PgPool {
+        &self.pool
+    }
+
+    /// The schema this store needs, as SQL.
+    pub fn migration_sql(&self) -> String {
+        let t = &self.sql.table;
+        let index = t.replace('.', "_");
+        format!(
+            "CREATE TABLE IF NOT EXISTS {t} (
+    key bytea PRIMARY KEY,
+    state \"char\" NOT NULL,
+    attempts integer NOT NULL,
+    token bytea,
+    lease_until timestamptz,
+    expires_at timestamptz NOT NULL,
+    fingerprint bytea,
+    result bytea
+);
+CREATE INDEX IF NOT EXISTS {index}_expires_at ON {t} (expires_at);"
+        )
+    }
+
+    /// Creates the table and its index if they do not exist. Holds an advisory lock
+    /// while it does, so concurrent callers do not race.
+    pub async fn migrate(&self) -> Result<(), StoreError> {
+        let mut tx = self.pool.begin().await.map_err(StoreError::unavailable)?;
+        sqlx::query("SELECT pg_advisory_xact_lock(hashtext($1))")
+            .bind(&self.sql.table)
+            .execute(&mut *tx)
+            .await
+            .map_err(StoreError::unavailable)?;
+        sqlx::raw_sql(&self.migration_sql())
+            .execute(&mut *tx)
+            .await
+            .map_err(StoreError::unavailable)?;
+        tx.commit().await.map_err(StoreError::unavailable)
+    }
+
+    /// Deletes up to `batch` expired records; returns how many.
+    pub async fn purge_expired(&self, batch: i64) -> Result<u64, StoreError> {
+        let done = sqlx::query(&self.sql.purge)
+            .bind(batch)
+            .execute(&self.pool)
+            .await
+            .map_err(StoreError::unavailable)?;
+        Ok(done.rows_affected())
+    }
+
+    async fn update(
+        &self,
+        sql: &str,
+        key: &Key,
+        token: Token,
+        extra: Extra<'_>,
+    ) -> Result<Transition, StoreError> {
+        let token = token.as_u128().to_be_bytes();
+        let query = sqlx::query(sql).bind(key.as_bytes()).bind(token.as_slice());
+        let query = match extra {
+            Extra::None => query,
+            Extra::Millis(ms) => query.bind(ms),
+            Extra::Finish { state, ttl, result } => query.bind(state).bind(ttl).bind(result),
+        };
+        let done = query.execute(&self.pool).await.map_err(StoreError::unavailable)?;
+        Ok(if done.rows_affected() == 1 { Transition::Applied } else { Transition::LeaseLost })
+    }
+
+    fn maybe_purge(&self) {
+        if self.claims.fetch_add(1, Ordering::Relaxed) % PURGE_EVERY_CLAIMS
+            != PURGE_EVERY_CLAIMS - 1
+        {
+            return;
+        }
+        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+            let store = self.clone();
+            runtime.spawn(async move {
+                if let Err(error) = store.purge_expired(PURGE_BATCH).await {
+                    tracing::warn!(%error, "purging expired idempotency records failed");
+                }
+            });
+        }
+    }
+}
+
+enum Extra<'a> {
+    None,
+    Millis(i64),
+    Finish { state: i8, ttl: i64, result: Option<&'a [u8]> },
+}
+
+impl Sql {
+    fn new(table: &str) -> Sql {
+        let t = table;
+        let live = "key = $1 AND state = 'P' AND token = $2 AND expires_at > now()";
+        Sql {
+            table: t.to_owned(),
+            // $1 key, $2 token, $3 lease ms, $4 retention ms, $5 fingerprint.
+            claim: format!(
+                "WITH claimed AS (
+    INSERT INTO {t} AS r (key, state, attempts, token, lease_until, expires_at, fingerprint)
+    VALUES ($1, 'P', 1, $2, now() + $3 * interval '1 millisecond',
+            now() + $4 * interval '1 millisecond', $5)
+    ON CONFLICT (key) DO UPDATE SET
+        state = 'P',
+        attempts = CASE WHEN r.expires_at <= now() THEN 1 ELSE r.attempts + 1 END,
+        token = EXCLUDED.token,
+        lease_until = EXCLUDED.lease_until,
+        expires_at = CASE WHEN r.expires_at <= now() THEN EXCLUDED.expires_at
+                          ELSE GREATEST(r.expires_at, EXCLUDED.expires_at) END,
+        fingerprint = CASE WHEN r.expires_at <= now() THEN EXCLUDED.fingerprint
+                           ELSE COALESCE(r.fingerprint, EXCLUDED.fingerprint) END,
+        result = NULL
+    WHERE r.expires_at <= now()
+       OR ((r.state = 'R' OR (r.state = 'P' AND r.lease_until <= now()))
+           AND (r.fingerprint IS NULL OR EXCLUDED.fingerprint IS NULL
+                OR r.fingerprint = EXCLUDED.fingerprint))
+    RETURNING 'W'::text AS outcome, r.attempts, NULL::bytea AS result
+)
+SELECT outcome, attempts, result FROM claimed
+UNION ALL
+SELECT CASE WHEN r.fingerprint IS NOT NULL AND $5::bytea IS NOT NULL
+                 AND r.fingerprint <> $5::bytea THEN 'M'
+            WHEN r.state = 'D' THEN 'D'
+            WHEN r.state = 'F' THEN 'F'
+            ELSE 'P' END,
+       r.attempts, r.result
+FROM {t} r
+WHERE r.key = $1 AND r.expires_at > now() AND NOT EXISTS (SELECT 1 FROM claimed)"
+            ),
+            // $3 state (D or F), $4 ttl ms, $5 result.
+            finish: format!(
+                "UPDATE {t} SET state = $3::\"char\", token = NULL, lease_until = NULL,
+    expires_at = now() + $4 * interval '1 millisecond', result = $5 WHERE {live}"
+            ),
+            release: format!(
+                "UPDATE {t} SET state = 'R', token = NULL, lease_until = NULL WHERE {live}"
+            ),
+            // $3 lease ms.
+            renew: format!(
+                "UPDATE {t} SET lease_until = now() + $3 * interval '1 millisecond',
+    expires_at = GREATEST(expires_at, now() + $3 * interval '1 millisecond') WHERE {live}"
+            ),
+            purge: format!(
+                "DELETE FROM {t} WHERE key IN
+    (SELECT key FROM {t} WHERE expires_at <= now() LIMIT $1 FOR UPDATE SKIP LOCKED)"
+            ),
+        }
+    }
+}
+
+fn millis(d: Duration) -> i64 {
+    i64::try_from(d.as_millis()).unwrap_or(i64::MAX).max(1)
+}
+
+#[async_trait]
+impl Store for PostgresStore {
+    async fn claim(
+        &self,
+        key: &Key,
+        lease: Duration,
+        ttl: Duration,
+        fingerprint: Option<&Fingerprint>,
+    ) -> Result<Claim, StoreError> {
+        self.maybe_purge();
+        let retention = crate::claim_retention(lease, ttl);
+        // A record inserted by a transaction that committed after this statement's
+        // snapshot can make the statement see nothing at all: ask again.
+        for _ in 0..10 {
+            let token = Token::random();
+            let row: Option<(String, i32, Option<Vec<u8>>)> = sqlx::query_as(&self.sql.claim)
+                .bind(key.as_bytes())
+                .bind(token.as_u128().to_be_bytes().as_slice())
+                .bind(millis(lease))
+                .bind(millis(retention))
+                .bind(fingerprint.map(|f| f.as_bytes().as_slice()))
+                .fetch_optional(&self.pool)
+                .await
+                .map_err(StoreError::unavailable)?;
+            let Some((outcome, attempts, result)) = row else { continue };
+            let attempts = u32::try_from(attempts).unwrap_or(0);
+            return match outcome.as_str() {
+                "W" => Ok(Claim::Won { token, attempt: attempts }),
+                "D" => Ok(result.map_or(Claim::Done, Claim::Cached)),
+                "F" => Ok(Claim::Failed { attempts }),
+                "P" => Ok(Claim::InProgress),
+                "M" => Ok(Claim::Mismatch),
+                other => Err(StoreError::Protocol(format!("claim returned {other:?}"))),
+            };
+        }
+        Err(StoreError::Protocol("claim saw no record after 10 tries".to_owned()))
+    }
+
+    async fn complete(
+        &self,
+        key: &Key,
+        token: Token,
+        ttl: Duration,
+        result: Option<&[u8]>,
+    ) -> Result<Transition, StoreError> {
+        let extra = Extra::Finish { state: b'D' as i8, ttl: millis(ttl), result };
+        self.update(&self.sql.finish, key, token, extra).await
+    }
+
+    async fn release(&self, key: &Key, token: Token) -> Result<Transition, StoreError> {
+        self.update(&self.sql.release, key, token, Extra::None).await
+    }
+
+    async fn fail(&self, key: &Key, token: Token, ttl: Duration) -> Result<Transition, StoreError> {
+        let extra = Extra::Finish { state: b'F' as i8, ttl: millis(ttl), result: None };
+        self.update(&self.sql.finish, key, token, extra).await
+    }
+
+    async fn renew(
+        &self,
+        key: &Key,
+        token: Token,
+        lease: Duration,
+    ) -> Result<Transition, StoreError> {
+        self.update(&self.sql.renew, key, token, Extra::Millis(millis(lease))).await
+    }
+
+    /// Starts the release on the current Tokio runtime and returns at once; without
+    /// a runtime, the lease runs out instead.
+    fn abandon(&self, key: &Key, token: Token) {
+        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+            let (store, key) = (self.clone(), key.clone());
+            runtime.spawn(async move {
+                if let Err(error) = store.release(&key, token).await {
+                    tracing::warn!(key = %key, %error, "release of an abandoned claim failed; the lease will run out");
+                }
+            });
+        }
+    }
+}
