@@ -75,7 +75,10 @@ fn two_consumers_one_killed_every_message_once() {
                 let connection = connect().await.unwrap();
                 let channel = connection.create_channel().await.unwrap();
                 channel.basic_qos(16, BasicQosOptions::default()).await.unwrap();
-                let mut consumer = RabbitConsumer::new(&channel, &queue, tag).await.unwrap();
+                let mut consumer = RabbitConsumer::new(&channel, &queue, tag)
+                    .await
+                    .unwrap()
+                    .retry_delay(Duration::from_millis(50));
                 let task = tokio::spawn({
                     async move {
                         loop {

@@ -114,7 +114,14 @@ impl KafkaConsumer {
         };
         let partition = (message.topic.clone(), message.partition);
         match self.rewound.get(&partition) {
-            Some(&offset) if offset != message.offset => return Ok(None),
+            Some(&offset) if message.offset > offset => {
+                // Fetched behind a record left for retry: not handled, not committed.
+                // Seek again, in case the first seek was lost or the partition moved.
+                self.rewind(&message.topic, message.partition, offset)?;
+                return Ok(None);
+            }
+            // The record itself, or an earlier one (the partition was reassigned and
+            // resumed from its committed offset): handle it normally.
             Some(_) => {
                 self.rewound.remove(&partition);
             }
@@ -127,20 +134,32 @@ impl KafkaConsumer {
             Disposition::Ack => self.commit(&topic, index, offset)?,
             Disposition::Retry => {
                 tokio::time::sleep(self.retry_delay).await;
-                // A zero timeout makes the seek asynchronous: no blocking in a task.
-                self.consumer.seek(&topic, index, Offset::Offset(offset), Duration::ZERO)?;
-                self.rewound.insert(partition, offset);
+                self.rewind(&topic, index, offset)?;
             }
             Disposition::DeadLetter => {
                 let mut record = FutureRecord::to(&self.dead_letter_topic).payload(&dead.1);
                 if let Some(key) = &dead.0 {
                     record = record.key(key);
                 }
-                self.producer.send(record, Duration::from_secs(10)).await.map_err(|(e, _)| e)?;
+                let sent = self.producer.send(record, Duration::from_secs(10)).await;
+                if let Err((error, _)) = sent {
+                    // Not dead-lettered, so not committed: read it again.
+                    self.rewind(&topic, index, offset)?;
+                    return Err(error);
+                }
                 self.commit(&topic, index, offset)?;
             }
         }
         Ok(Some(disposition))
+    }
+
+    /// Makes `offset` the next record of the partition; until it comes back, records
+    /// behind it are skipped. The rewind is recorded before the seek, so a failed seek
+    /// still keeps later records from being committed past it.
+    fn rewind(&mut self, topic: &str, partition: i32, offset: i64) -> Result<(), KafkaError> {
+        self.rewound.insert((topic.to_owned(), partition), offset);
+        // A zero timeout makes the seek asynchronous: no blocking in a task.
+        self.consumer.seek(topic, partition, Offset::Offset(offset), Duration::ZERO)
     }
 
     fn commit(&self, topic: &str, partition: i32, offset: i64) -> Result<(), KafkaError> {

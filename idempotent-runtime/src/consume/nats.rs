@@ -100,7 +100,7 @@ impl NatsConsumer {
                 Disposition::Retry => acker.ack_with(AckKind::Nak(Some(self.retry_delay))).await?,
                 Disposition::DeadLetter => {
                     if let (Some(subject), Some(copy)) = (&self.dead_letter, dead_copy) {
-                        let headers = copy.headers.unwrap_or_default();
+                        let headers = dead_letter_headers(copy.headers.as_ref());
                         let publish = self
                             .jetstream
                             .publish_with_headers(subject.clone(), headers, copy.payload)
@@ -115,4 +115,20 @@ impl NatsConsumer {
         .await;
         Some(settled.map(|()| disposition))
     }
+}
+
+/// The original's headers without the `Nats-*` ones: those are JetStream controls
+/// (expected sequence, rollup, message id) that would make the dead-letter publish
+/// fail or purge earlier dead letters.
+fn dead_letter_headers(original: Option<&HeaderMap>) -> HeaderMap {
+    let mut headers = HeaderMap::new();
+    for (name, values) in original.into_iter().flat_map(HeaderMap::iter) {
+        let name: &str = name.as_ref();
+        if !name.to_ascii_lowercase().starts_with("nats-") {
+            for value in values {
+                headers.append(name, value.as_str());
+            }
+        }
+    }
+    headers
 }

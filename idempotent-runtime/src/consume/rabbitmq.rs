@@ -59,14 +59,15 @@ pub async fn declare_with_dead_letter(channel: &Channel, queue: &str) -> lapin::
 /// A consumer on one queue with manual acknowledgements.
 ///
 /// [`next`](RabbitConsumer::next) hands the next delivery to a handler and settles it
-/// by the result's disposition: Ack → `basic.ack`; Retry → `basic.nack` with
-/// `requeue` (the broker redelivers it at once, to this or another consumer; a
-/// duplicate still in progress elsewhere comes back until that consumer finishes);
+/// by the result's disposition: Ack → `basic.ack`; Retry → wait the retry delay
+/// (default 1 s), then `basic.nack` with `requeue` (so a short outage does not burn
+/// every attempt at once, and a duplicate in progress elsewhere does not spin);
 /// DeadLetter → `basic.reject` without requeue, which the queue's dead-letter exchange
 /// routes on (see [`declare_with_dead_letter`]). Unacked deliveries of a consumer whose
 /// connection dies are redelivered by the broker.
 pub struct RabbitConsumer {
     consumer: lapin::Consumer,
+    retry_delay: std::time::Duration,
 }
 
 impl RabbitConsumer {
@@ -75,7 +76,13 @@ impl RabbitConsumer {
     pub async fn new(channel: &Channel, queue: &str, tag: &str) -> lapin::Result<RabbitConsumer> {
         let options = BasicConsumeOptions { no_ack: false, ..Default::default() };
         let consumer = channel.basic_consume(queue, tag, options, FieldTable::default()).await?;
-        Ok(RabbitConsumer { consumer })
+        Ok(RabbitConsumer { consumer, retry_delay: std::time::Duration::from_secs(1) })
+    }
+
+    /// How long to hold a delivery left for retry before requeueing it; default 1 s.
+    pub fn retry_delay(mut self, delay: std::time::Duration) -> Self {
+        self.retry_delay = delay;
+        self
     }
 
     /// Waits for the next delivery, runs `handler` on it and settles it. `None` when
@@ -101,6 +108,7 @@ impl RabbitConsumer {
         let settled = match disposition {
             Disposition::Ack => acker.ack(BasicAckOptions::default()).await,
             Disposition::Retry => {
+                tokio::time::sleep(self.retry_delay).await;
                 acker.nack(BasicNackOptions { multiple: false, requeue: true }).await
             }
             Disposition::DeadLetter => acker.reject(BasicRejectOptions { requeue: false }).await,

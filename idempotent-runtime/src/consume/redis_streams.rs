@@ -58,7 +58,8 @@ pub struct Polled {
 /// and entries left for retry), then reads new ones (`XREADGROUP`), and settles each by
 /// its handler's disposition: `XACK` on Ack; nothing on Retry (it stays pending and is
 /// reclaimed later); on DeadLetter, `XADD` to the dead-letter stream (the entry's
-/// fields plus `idempotent-source-id`) and `XACK`, in one `MULTI`.
+/// fields plus `idempotent-source-id`) and `XACK`, in one script: no ack without the
+/// copy. Standalone Redis (the two streams are different keys).
 ///
 /// ```no_run
 /// # async fn demo(redis: redis::aio::ConnectionManager, store: idempotent_runtime::MemoryStore) -> redis::RedisResult<()> {
@@ -87,7 +88,18 @@ pub struct StreamConsumer {
     batch: usize,
     block: Duration,
     reclaim_idle: Duration,
+    /// Where the next `XAUTOCLAIM` scan resumes, so entries deep in the pending list
+    /// are reached too.
+    cursor: std::sync::Arc<std::sync::Mutex<String>>,
 }
+
+/// Copies an entry to the dead-letter stream and acks it, atomically: if the copy
+/// fails, the ack does not happen. KEYS: stream, dead-letter stream. ARGV: group, id,
+/// then field/value pairs.
+const DEAD_LETTER_SCRIPT: &str = r"
+redis.call('XADD', KEYS[2], '*', unpack(ARGV, 3))
+return redis.call('XACK', KEYS[1], ARGV[1], ARGV[2])
+";
 
 impl StreamConsumer {
     /// Joins `group` on `stream` as `consumer`, creating the group (reading from the
@@ -122,6 +134,7 @@ impl StreamConsumer {
             batch: 32,
             block: Duration::from_millis(500),
             reclaim_idle: Duration::from_secs(30),
+            cursor: Default::default(),
         })
     }
 
@@ -190,16 +203,21 @@ impl StreamConsumer {
     }
 
     async fn reclaim(&self) -> RedisResult<Vec<StreamId>> {
+        let start = self.cursor.lock().map(|c| c.clone()).unwrap_or_else(|_| "0-0".to_owned());
+        let start = if start.is_empty() { "0-0".to_owned() } else { start };
         let reply: StreamAutoClaimReply = redis::cmd("XAUTOCLAIM")
             .arg(&self.stream)
             .arg(&self.group)
             .arg(&self.consumer)
             .arg(self.reclaim_idle.as_millis() as u64)
-            .arg("0-0")
+            .arg(&start)
             .arg("COUNT")
             .arg(self.batch)
             .query_async(&mut self.connection.clone())
             .await?;
+        if let Ok(mut cursor) = self.cursor.lock() {
+            *cursor = reply.next_stream_id;
+        }
         Ok(reply.claimed)
     }
 
@@ -248,20 +266,15 @@ impl StreamConsumer {
     }
 
     async fn dead_letter(&self, id: &str, fields: HashMap<String, Vec<u8>>) -> RedisResult<()> {
-        let mut add = redis::cmd("XADD");
-        add.arg(&self.dead_letter).arg("*").arg("idempotent-source-id").arg(id);
+        static SCRIPT: std::sync::LazyLock<redis::Script> =
+            std::sync::LazyLock::new(|| redis::Script::new(DEAD_LETTER_SCRIPT));
+        let mut invocation = SCRIPT.prepare_invoke();
+        invocation.key(&self.stream).key(&self.dead_letter).arg(&self.group).arg(id);
+        invocation.arg("idempotent-source-id").arg(id);
         for (k, v) in &fields {
-            add.arg(k).arg(v);
+            invocation.arg(k).arg(v);
         }
-        let mut ack = redis::cmd("XACK");
-        ack.arg(&self.stream).arg(&self.group).arg(id);
-        redis::pipe()
-            .atomic()
-            .add_command(add)
-            .ignore()
-            .add_command(ack)
-            .ignore()
-            .query_async(&mut self.connection.clone())
-            .await
+        let _: i64 = invocation.invoke_async(&mut self.connection.clone()).await?;
+        Ok(())
     }
 }
