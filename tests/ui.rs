@@ -13,7 +13,8 @@ fn ui() {
         feature = "redis-tls",
         feature = "rabbitmq",
         feature = "nats",
-        feature = "kafka"
+        feature = "kafka",
+        feature = "postgres"
     )) {
         eprintln!("skipped: the expected compiler output is recorded with --all-features");
         return;
