@@ -320,13 +320,6 @@ impl Store for PostgresStore {
     /// Starts the release on the current Tokio runtime and returns at once; without
     /// a runtime, the lease runs out instead.
     fn abandon(&self, key: &Key, token: Token) {
-        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
-            let (store, key) = (self.clone(), key.clone());
-            runtime.spawn(async move {
-                if let Err(error) = store.release(&key, token).await {
-                    tracing::warn!(key = %key, %error, "release of an abandoned claim failed; the lease will run out");
-                }
-            });
-        }
+        crate::store::release_in_background(self, key, token);
     }
 }

@@ -169,6 +169,24 @@ pub fn claim_retention(lease: Duration, ttl: Duration) -> Duration {
     ttl.max(lease) + lease
 }
 
+/// `Store::abandon` for server-backed stores: starts the release on the current Tokio
+/// runtime and returns at once; without a runtime, the lease runs out instead.
+#[cfg(any(feature = "redis", feature = "postgres"))]
+pub(crate) fn release_in_background<S: Store + Clone + 'static>(
+    store: &S,
+    key: &Key,
+    token: Token,
+) {
+    if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+        let (store, key) = (store.clone(), key.clone());
+        runtime.spawn(async move {
+            if let Err(error) = store.release(&key, token).await {
+                tracing::warn!(key = %key, %error, "release of an abandoned claim failed; the lease will run out");
+            }
+        });
+    }
+}
+
 macro_rules! forward_store {
     ($($ptr:ty),*) => {$(
         #[async_trait]
