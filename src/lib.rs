@@ -191,5 +191,7 @@ pub use idempotent_runtime::consume;
 pub mod __private {
     pub use idempotent_runtime::alert::process_sink;
     pub use idempotent_runtime::execute::{Call, HandlerResult, Spec, run, run_infallible};
+    #[cfg(feature = "postgres")]
+    pub use idempotent_runtime::transactional::{TransactionalStore, TxSlot, run_transactional};
     pub use idempotent_runtime::{AsStore, DefaultStore, Document, Fingerprint, KeyBuilder};
 }

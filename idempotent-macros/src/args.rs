@@ -7,7 +7,7 @@ use syn::{Expr, Ident, Lit, LitBool, LitInt, LitStr, Path};
 
 /// Every argument `#[idempotent(...)]` accepts, for "unknown argument" messages.
 const KNOWN: &str = "key, key_fn, ttl, lease, max_attempts, namespace, store, message, \
-                     cache, validate, on_terminal, classify, crate";
+                     cache, validate, transactional, on_terminal, classify, crate";
 
 /// Collects errors so that all of them are reported, not just the first.
 #[derive(Default)]
@@ -87,6 +87,7 @@ pub struct Args {
     pub krate: Once<Path>,
     pub cache: Once<bool>,
     pub validate: Once<bool>,
+    pub transactional: Once<bool>,
     /// `key` or `key_fn` was written, valid or not: no "missing key" error then.
     pub key_written: bool,
 }
@@ -198,7 +199,7 @@ impl Args {
                 };
                 slot.set(&name, path, errors);
             }
-            "cache" | "validate" => {
+            "cache" | "validate" | "transactional" => {
                 // `cache` alone means `cache = true`.
                 let value = if meta.input.peek(syn::Token![=]) {
                     match meta.value()?.parse::<Expr>()? {
@@ -215,7 +216,11 @@ impl Args {
                     Some(true)
                 };
                 if let Some(value) = value {
-                    let slot = if name == "cache" { &mut self.cache } else { &mut self.validate };
+                    let slot = match name.to_string().as_str() {
+                        "cache" => &mut self.cache,
+                        "validate" => &mut self.validate,
+                        _ => &mut self.transactional,
+                    };
                     slot.set(&name, value, errors);
                 }
             }

@@ -77,6 +77,8 @@ struct Handler {
     validate: Option<(TokenStream, Span)>,
     /// `cache = true`, with the argument's span.
     cache: Option<Span>,
+    /// `transactional`: where the transaction argument sits in the signature.
+    transaction: Option<usize>,
     returns: Returns,
 }
 
@@ -101,10 +103,15 @@ impl Handler {
             errors.at(variadic.span(), "#[idempotent] does not support variadic functions");
         }
 
-        // Named arguments, in order; `self` is never the message.
+        let transaction = transaction_argument(&args, sig, &mut errors);
+
+        // Named arguments, in order; `self` and the transaction are never the message.
         let mut has_receiver = false;
         let mut named: Vec<(&Ident, &syn::PatType)> = Vec::new();
-        for input in &sig.inputs {
+        for (i, input) in sig.inputs.iter().enumerate() {
+            if Some(i) == transaction {
+                continue;
+            }
             match input {
                 FnArg::Receiver(_) => has_receiver = true,
                 FnArg::Typed(pt) => match &*pt.pat {
@@ -142,9 +149,9 @@ impl Handler {
                     None
                 }
             }
-            None => match sig.inputs.iter().find_map(|i| match i {
-                FnArg::Typed(pt) => Some(pt),
-                FnArg::Receiver(_) => None,
+            None => match sig.inputs.iter().enumerate().find_map(|(i, input)| match input {
+                FnArg::Typed(pt) if Some(i) != transaction => Some(pt),
+                _ => None,
             }) {
                 Some(pt) => match &*pt.pat {
                     Pat::Ident(p) if p.subpat.is_none() => Some(p.ident.clone()),
@@ -275,6 +282,17 @@ impl Handler {
         };
 
         let returns = returns(&sig.output, &krate);
+        if let (Returns::Infallible { .. }, Some(_)) = (&returns, transaction) {
+            let at = match &sig.output {
+                ReturnType::Type(_, ty) => ty.span(),
+                ReturnType::Default => sig.paren_token.span.close(),
+            };
+            errors.at(
+                at,
+                "a `transactional` handler must return a `Result`: its queries can fail, and \
+                 an `Err` is what rolls the transaction back",
+            );
+        }
         if let Returns::Infallible { .. } = returns {
             for (name, span) in
                 [("classify", args.classify.span()), ("on_terminal", args.on_terminal.span())]
@@ -305,6 +323,7 @@ impl Handler {
             document,
             validate,
             cache,
+            transaction,
             returns,
         })
     }
@@ -338,6 +357,14 @@ impl Handler {
             };
         };
         let store = match &self.store {
+            Some(expr) if self.transaction.is_some() => {
+                let postgres = respan(quote!(#private::TransactionalStore), expr.span());
+                let as_store = quote_spanned!(expr.span()=> #postgres::postgres_store(#store_var));
+                quote! {
+                    let #store_var = &(#expr);
+                    let #store_var = #as_store;
+                }
+            }
             Some(expr) => {
                 let as_store = quote_spanned!(expr.span()=> #store_var.__idempotent_as_store());
                 quote! {
@@ -368,7 +395,33 @@ impl Handler {
             let #call_var = #private::Call::new(#spec, #key_var) #validated #cached;
         };
 
-        let body = body_block(&func);
+        // `transactional`: the transaction argument leaves the signature; the body
+        // borrows the transaction `run_transactional` puts in the slot.
+        let slot_var = Ident::new("__idempotent_tx", Span::mixed_site());
+        let (slot, lend) = match self.transaction {
+            Some(index) => {
+                let inputs = std::mem::take(&mut func.sig.inputs);
+                let mut lent = None;
+                for (i, input) in inputs.into_iter().enumerate() {
+                    match input {
+                        FnArg::Typed(pt) if i == index => lent = Some(pt),
+                        other => func.sig.inputs.push(other),
+                    }
+                }
+                let syn::PatType { pat, ty, .. } = lent.expect("checked: the argument exists");
+                let lent_var = Ident::new("__idempotent_lent", Span::mixed_site());
+                let borrow = quote_spanned!(ty.span()=> &mut #lent_var);
+                (
+                    Some(quote!(let #slot_var = #private::TxSlot::new();)),
+                    quote! {
+                        let mut #lent_var = #slot_var.lend();
+                        let #pat: #ty = #borrow;
+                    },
+                )
+            }
+            None => (None, quote!()),
+        };
+        let body = body_block(&func, lend);
         let (output, call) = match &self.returns {
             Returns::Fallible { ok, err } => {
                 let classify = match &self.classify {
@@ -379,12 +432,17 @@ impl Handler {
                     Some(path) => quote!(#path),
                     None => quote!(#private::process_sink),
                 };
-                (
-                    quote!(::core::result::Result<#krate::Outcome<#ok>, #krate::Error<#err>>),
-                    quote! {
+                let call = match self.transaction {
+                    Some(_) => quote! {
+                        #private::run_transactional(
+                            #call_var, #store_var, &#slot_var, #classify, #on_terminal, #body
+                        ).await
+                    },
+                    None => quote! {
                         #private::run(#call_var, #store_var, #classify, #on_terminal, #body).await
                     },
-                )
+                };
+                (quote!(::core::result::Result<#krate::Outcome<#ok>, #krate::Error<#err>>), call)
             }
             Returns::Infallible { ok } => (
                 quote!(::core::result::Result<#krate::Outcome<#ok>, #krate::Error<::core::convert::Infallible>>),
@@ -394,6 +452,7 @@ impl Handler {
 
         func.sig.output = parse_quote!(-> #output);
         let new_body = quote!({
+            #slot
             #build_key
             #build_call
             #store
@@ -409,7 +468,7 @@ impl Handler {
 /// also uses. A never-taken `return` typed as the
 /// declared return type lets rustc infer `?` conversions and report type errors
 /// against the user's own code.
-fn body_block(func: &ItemFn) -> TokenStream {
+fn body_block(func: &ItemFn, prelude: TokenStream) -> TokenStream {
     let stmts = &func.block.stmts;
     let fake_return = match &func.sig.output {
         ReturnType::Type(_, ty) if !mentions_impl_trait(ty) => {
@@ -432,7 +491,53 @@ fn body_block(func: &ItemFn) -> TokenStream {
         }
         _ => quote!(),
     };
-    quote_spanned!(func.block.span()=> async { #fake_return #(#stmts)* })
+    quote_spanned!(func.block.span()=> async { #prelude #fake_return #(#stmts)* })
+}
+
+/// `transactional`: the position of the `&mut Transaction` argument the macro fills.
+fn transaction_argument(args: &Args, sig: &syn::Signature, errors: &mut Errors) -> Option<usize> {
+    let span = args.transactional.span().filter(|_| args.transactional.get() == Some(&true))?;
+    if args.store.get().is_none() {
+        errors.at(
+            span,
+            "`transactional` needs `store = ...` naming a `PostgresStore`: the DONE record is \
+             written in its database, inside the handler's transaction",
+        );
+    }
+    let found: Vec<usize> = (sig.inputs.iter().enumerate())
+        .filter(|(_, input)| matches!(input, FnArg::Typed(pt) if is_transaction(&pt.ty)))
+        .map(|(i, _)| i)
+        .collect();
+    match found.as_slice() {
+        [] => {
+            errors.at(
+                span,
+                "`transactional` lends the handler a transaction: add an argument \
+                 `tx: &mut sqlx::Transaction<'_, sqlx::Postgres>` and run the handler's writes \
+                 on it",
+            );
+            None
+        }
+        [one] => Some(*one),
+        [_, second, ..] => {
+            errors.at(
+                sig.inputs[*second].span(),
+                "a `transactional` handler takes one transaction argument: its writes and the \
+                 DONE record commit together in that one",
+            );
+            None
+        }
+    }
+}
+
+/// `&mut Transaction<..>` or `&mut PgTransaction<..>`, by any path.
+fn is_transaction(ty: &Type) -> bool {
+    let Type::Reference(reference) = ty else { return false };
+    let Type::Path(path) = &*reference.elem else { return false };
+    reference.mutability.is_some()
+        && path.qself.is_none()
+        && (path.path.segments.last())
+            .is_some_and(|s| s.ident == "Transaction" || s.ident == "PgTransaction")
 }
 
 fn mentions_impl_trait(ty: &Type) -> bool {

@@ -57,8 +57,9 @@ pub enum Error<E> {
     Store {
         /// What the store reported.
         error: StoreError,
-        /// Whether the handler's body ran. `false`: nothing happened, redeliver.
-        /// `true`: the handler's effects happened but could not be recorded as done;
+        /// Whether the handler's effects may have happened. `false`: nothing took
+        /// effect (the handler did not run, or its transaction was rolled back),
+        /// redeliver. `true`: the handler's effects happened but could not be recorded as done;
         /// the key stays claimed until its lease runs out, then a redelivery runs again.
         handler_ran: bool,
     },
@@ -167,7 +168,7 @@ impl<E: fmt::Display> fmt::Display for Error<E> {
             }
             Error::Key(e) => write!(f, "idempotency key could not be built: {e}"),
             Error::Store { error, handler_ran: false } => {
-                write!(f, "store failed before the handler ran: {error}")
+                write!(f, "store failed; the handler took no effect: {error}")
             }
             Error::Store { error, handler_ran: true } => write!(
                 f,

@@ -10,7 +10,8 @@ use futures_util::FutureExt as _;
 
 use crate::alert::TerminalEvent;
 use crate::{
-    Claim, Error, ErrorClass, Fingerprint, Key, KeyError, Outcome, Store, Token, Transition,
+    Claim, Error, ErrorClass, Fingerprint, Key, KeyError, Outcome, Store, StoreError, Token,
+    Transition,
 };
 
 /// The attempt cap when `max_attempts` is not given.
@@ -203,6 +204,82 @@ where
     HF: Future<Output = ()>,
     F: Future<Output = Result<T, E>>,
 {
+    run_with(call, store, StoreCompletion, classify, on_terminal, body).await
+}
+
+/// How a handler's effects are made to stick together with its DONE record.
+pub(crate) trait Completion<S: ?Sized> {
+    /// Gets ready for the body, once the claim is won.
+    async fn begin(&mut self, store: &S) -> Result<(), StoreError>;
+    /// Records DONE with `result` and keeps the body's effects.
+    async fn complete(
+        self,
+        store: &S,
+        key: &Key,
+        token: Token,
+        ttl: Duration,
+        result: Option<&[u8]>,
+    ) -> Completed;
+    /// Throws away what the body did, when it failed or panicked.
+    async fn discard(self);
+}
+
+/// What [`Completion::complete`] did.
+pub(crate) enum Completed {
+    /// DONE is recorded and the effects kept.
+    Applied,
+    /// Another consumer holds the key now: nothing was recorded, and effects that
+    /// could be thrown away were.
+    LeaseLost,
+    /// The store failed. `effects_kept`: whether the body's effects may stand anyway.
+    Failed { error: StoreError, effects_kept: bool },
+}
+
+/// The body's effects are its own business; DONE is one [`Store::complete`].
+struct StoreCompletion;
+
+impl<S: Store + ?Sized> Completion<S> for StoreCompletion {
+    async fn begin(&mut self, _: &S) -> Result<(), StoreError> {
+        Ok(())
+    }
+
+    async fn complete(
+        self,
+        store: &S,
+        key: &Key,
+        token: Token,
+        ttl: Duration,
+        result: Option<&[u8]>,
+    ) -> Completed {
+        match store.complete(key, token, ttl, result).await {
+            Ok(Transition::Applied) => Completed::Applied,
+            Ok(Transition::LeaseLost) => Completed::LeaseLost,
+            Err(error) => Completed::Failed { error, effects_kept: true },
+        }
+    }
+
+    async fn discard(self) {}
+}
+
+/// [`run`], with `completion` deciding how the result is recorded.
+pub(crate) async fn run_with<S, U, R, T, E, C, H, HF, F>(
+    call: Call<R>,
+    store: &S,
+    mut completion: U,
+    classify: C,
+    on_terminal: H,
+    body: F,
+) -> Result<Outcome<T>, Error<E>>
+where
+    S: Store + ?Sized,
+    U: Completion<S>,
+    R: ResultCache<T>,
+    E: Display,
+    C: FnOnce(&E) -> ErrorClass,
+    H: FnOnce(TerminalEvent) -> HF,
+    HF: Future<Output = ()>,
+    F: Future<Output = Result<T, E>>,
+{
     let Call { spec, key, fingerprint, cache } = call;
     let key = key.map_err(Error::Key)?;
     let answer = store.claim(&key, spec.lease, spec.ttl, fingerprint.as_ref()).await;
@@ -235,46 +312,63 @@ where
         return Err(Error::Abandoned { attempts });
     }
 
+    // Armed until the result is recorded: a call dropped at any await from here on
+    // gives the key back (a no-op once the record is DONE or FAILED).
     let abandon = AbandonOnDrop { store, key: &key, token, armed: true };
+    if let Err(error) = completion.begin(store).await {
+        claim.release().await;
+        abandon.disarm();
+        return Err(Error::Store { error, handler_ran: false });
+    }
     let finished = with_renewal(&claim, AssertUnwindSafe(body).catch_unwind()).await;
-    abandon.disarm();
 
-    match finished {
+    let result = match finished {
         Ok(Ok(value)) => {
             // A value that can't be cached is still recorded DONE: its effect happened.
             let encoded = catch_unwind(AssertUnwindSafe(|| cache.encode(&value)))
                 .unwrap_or_else(|_| Err("result not cached: serializing it panicked".to_owned()));
             let stored = encoded.as_ref().ok().and_then(Option::as_deref);
-            match store.complete(&key, token, spec.ttl, stored).await {
-                Ok(Transition::Applied) => match encoded {
+            match completion.complete(store, &key, token, spec.ttl, stored).await {
+                Completed::Applied => match encoded {
                     Ok(_) => Ok(Outcome::Processed(value)),
                     Err(reason) => Err(Error::Cache { reason }),
                 },
-                Ok(Transition::LeaseLost) => Err(Error::LeaseLost { attempt }),
-                Err(error) => Err(Error::Store { error, handler_ran: true }),
+                Completed::LeaseLost => Err(Error::LeaseLost { attempt }),
+                Completed::Failed { error, effects_kept: true } => {
+                    Err(Error::Store { error, handler_ran: true })
+                }
+                Completed::Failed { error, effects_kept: false } => {
+                    claim.release().await;
+                    Err(Error::Store { error, handler_ran: false })
+                }
             }
         }
         Ok(Err(error)) => {
+            completion.discard().await;
             // User code (classify, Display, the hook) runs outside the body's
             // catch_unwind: a panic in it must not leave the claim dangling.
             let class = catch_unwind(AssertUnwindSafe(|| classify(&error)));
             let retryable = class.is_err() || class.is_ok_and(|c| c == ErrorClass::Retryable);
             if retryable && attempt < spec.max_attempts {
                 claim.release().await;
-                return Err(Error::Retryable { error, attempt });
+                Err(Error::Retryable { error, attempt })
+            } else {
+                claim.fail("the handler failed for good").await;
+                let message = catch_unwind(AssertUnwindSafe(|| error.to_string()))
+                    .unwrap_or_else(|_| "(the error's Display implementation panicked)".to_owned());
+                alert(on_terminal, claim.event(attempt, retryable, message)).await;
+                Err(Error::Terminal { error, attempt, exhausted: retryable })
             }
-            claim.fail("the handler failed for good").await;
-            let message = catch_unwind(AssertUnwindSafe(|| error.to_string()))
-                .unwrap_or_else(|_| "(the error's Display implementation panicked)".to_owned());
-            alert(on_terminal, claim.event(attempt, retryable, message)).await;
-            Err(Error::Terminal { error, attempt, exhausted: retryable })
         }
         Err(panic) => {
+            completion.discard().await;
             claim.release().await;
             let message = panic_message(&*panic);
             Err(Error::Panicked { message, attempt })
         }
-    }
+    };
+    abandon.disarm();
+    result
 }
 
 /// The handler result type of a function whose return type is spelled as a one-argument

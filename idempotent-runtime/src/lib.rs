@@ -31,6 +31,8 @@ pub mod redis_store;
 mod store;
 #[cfg(feature = "testing")]
 pub mod testing;
+#[cfg(feature = "postgres")]
+pub mod transactional;
 
 pub use alert::{AlertSink, TerminalEvent, set_alert_sink};
 pub use classify::{Classify, ErrorClass};

@@ -5,7 +5,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use async_trait::async_trait;
-use sqlx::postgres::{PgPool, PgPoolOptions};
+use sqlx::postgres::{PgConnection, PgExecutor, PgPool, PgPoolOptions};
 
 use crate::{Claim, Fingerprint, Key, Store, StoreError, Token, Transition};
 
@@ -145,8 +145,23 @@ CREATE INDEX IF NOT EXISTS {index}_expires_at ON {t} (expires_at);"
         Ok(done.rows_affected())
     }
 
+    /// Records DONE through `conn`, inside the caller's transaction: the record
+    /// becomes DONE when, and only if, that transaction commits.
+    pub(crate) async fn complete_on(
+        &self,
+        conn: &mut PgConnection,
+        key: &Key,
+        token: Token,
+        ttl: Duration,
+        result: Option<&[u8]>,
+    ) -> Result<Transition, StoreError> {
+        let extra = Extra::Finish { state: b'D' as i8, ttl: millis(ttl), result };
+        self.update(conn, &self.sql.finish, key, token, extra).await
+    }
+
     async fn update(
         &self,
+        on: impl PgExecutor<'_>,
         sql: &str,
         key: &Key,
         token: Token,
@@ -159,7 +174,7 @@ CREATE INDEX IF NOT EXISTS {index}_expires_at ON {t} (expires_at);"
             Extra::Millis(ms) => query.bind(ms),
             Extra::Finish { state, ttl, result } => query.bind(state).bind(ttl).bind(result),
         };
-        let done = query.execute(&self.pool).await.map_err(StoreError::unavailable)?;
+        let done = query.execute(on).await.map_err(StoreError::unavailable)?;
         Ok(if done.rows_affected() == 1 { Transition::Applied } else { Transition::LeaseLost })
     }
 
@@ -296,16 +311,16 @@ impl Store for PostgresStore {
         result: Option<&[u8]>,
     ) -> Result<Transition, StoreError> {
         let extra = Extra::Finish { state: b'D' as i8, ttl: millis(ttl), result };
-        self.update(&self.sql.finish, key, token, extra).await
+        self.update(&self.pool, &self.sql.finish, key, token, extra).await
     }
 
     async fn release(&self, key: &Key, token: Token) -> Result<Transition, StoreError> {
-        self.update(&self.sql.release, key, token, Extra::None).await
+        self.update(&self.pool, &self.sql.release, key, token, Extra::None).await
     }
 
     async fn fail(&self, key: &Key, token: Token, ttl: Duration) -> Result<Transition, StoreError> {
         let extra = Extra::Finish { state: b'F' as i8, ttl: millis(ttl), result: None };
-        self.update(&self.sql.finish, key, token, extra).await
+        self.update(&self.pool, &self.sql.finish, key, token, extra).await
     }
 
     async fn renew(
@@ -314,12 +329,40 @@ impl Store for PostgresStore {
         token: Token,
         lease: Duration,
     ) -> Result<Transition, StoreError> {
-        self.update(&self.sql.renew, key, token, Extra::Millis(millis(lease))).await
+        self.update(&self.pool, &self.sql.renew, key, token, Extra::Millis(millis(lease))).await
     }
 
     /// Starts the release on the current Tokio runtime and returns at once; without
     /// a runtime, the lease runs out instead.
     fn abandon(&self, key: &Key, token: Token) {
         crate::store::release_in_background(self, key, token);
+    }
+}
+
+/// Database errors by SQLSTATE class: serialization failures and deadlocks (40),
+/// lost connections (08), exhausted resources (53), operator intervention such as
+/// a terminated backend (57) and lock timeouts (55P03) retry; constraint
+/// violations (23), bad data (22) and the rest are terminal. Connection, pool and
+/// I/O errors retry; decoding and "row not found" errors are terminal.
+impl crate::Classify for sqlx::Error {
+    fn class(&self) -> crate::ErrorClass {
+        use crate::ErrorClass::{Retryable, Terminal};
+        match self {
+            sqlx::Error::Database(e) => {
+                let code = e.code();
+                let code = code.as_deref().unwrap_or("");
+                let retryable =
+                    ["40", "08", "53", "57"].iter().any(|class| code.starts_with(class))
+                        || code == "55P03";
+                if retryable { Retryable } else { Terminal }
+            }
+            sqlx::Error::Io(_)
+            | sqlx::Error::Tls(_)
+            | sqlx::Error::Protocol(_)
+            | sqlx::Error::PoolTimedOut
+            | sqlx::Error::PoolClosed
+            | sqlx::Error::WorkerCrashed => Retryable,
+            _ => Terminal,
+        }
     }
 }

@@ -1,0 +1,208 @@
+//! The transactional inbox: a handler's PostgreSQL writes and its DONE record commit
+//! in one transaction (`#[idempotent(store = pg, transactional)]`).
+//!
+//! The claim is taken as usual, in its own statement, so concurrent duplicates wait
+//! or go away instead of running the handler twice. The handler then gets a
+//! transaction on the store's pool; when it returns `Ok`, the DONE update (fenced by
+//! the claim's token) runs in that transaction and the transaction commits. A
+//! process that dies before the commit leaves neither the business rows nor DONE, and
+//! the redelivery runs the handler again. An `Err` or a panic rolls back; the key is
+//! then released or, on a terminal error, recorded FAILED in its own statement.
+
+use std::fmt::Display;
+use std::future::Future;
+use std::ops::{Deref, DerefMut};
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Duration;
+
+use sqlx::{Postgres, Transaction};
+
+use crate::alert::TerminalEvent;
+use crate::execute::{Call, Completed, Completion, ResultCache, run_with};
+use crate::{Error, ErrorClass, Key, Outcome, PostgresStore, StoreError, Token, Transition};
+
+/// Runs `body` at most once per key, with its writes and the DONE record in one
+/// PostgreSQL transaction. The `#[idempotent(transactional)]` expansion calls it.
+///
+/// As [`run`](crate::execute::run), except that:
+/// * after the claim is won, a transaction is begun on the store's pool and lent to
+///   `body` through `slot` ([`TxSlot::lend`]);
+/// * on `Ok`, the record is marked DONE inside that transaction, which then commits.
+///   If another consumer took the key meanwhile, the transaction rolls back and the
+///   call is [`Error::LeaseLost`]; if the commit fails, the key is released and the
+///   call is [`Error::Store`] with `handler_ran: false`;
+/// * on `Err` or a panic, the transaction rolls back before the key is released or
+///   recorded FAILED;
+/// * if the call is dropped mid-way, the transaction is dropped (rolled back) and the
+///   key given back.
+pub async fn run_transactional<R, T, E, C, H, HF, F>(
+    call: Call<R>,
+    store: &PostgresStore,
+    slot: &TxSlot,
+    classify: C,
+    on_terminal: H,
+    body: F,
+) -> Result<Outcome<T>, Error<E>>
+where
+    R: ResultCache<T>,
+    E: Display,
+    C: FnOnce(&E) -> ErrorClass,
+    H: FnOnce(TerminalEvent) -> HF,
+    HF: Future<Output = ()>,
+    F: Future<Output = Result<T, E>>,
+{
+    run_with(call, store, InTransaction { slot }, classify, on_terminal, body).await
+}
+
+/// A store that can commit a handler's DONE record in the handler's own transaction:
+/// [`PostgresStore`], or a reference or smart pointer to one.
+#[diagnostic::on_unimplemented(
+    message = "`transactional` needs a `PostgresStore`, and `{Self}` is not one",
+    label = "records kept here can't commit in the handler's PostgreSQL transaction",
+    note = "pass a `PostgresStore` (or a reference, `Arc` or `Box` of one) as `store = ...`, \
+            or drop `transactional` and record DONE separately"
+)]
+pub trait TransactionalStore {
+    /// The PostgreSQL store.
+    fn postgres_store(&self) -> &PostgresStore;
+}
+
+impl TransactionalStore for PostgresStore {
+    fn postgres_store(&self) -> &PostgresStore {
+        self
+    }
+}
+
+impl<S: TransactionalStore + ?Sized> TransactionalStore for &S {
+    fn postgres_store(&self) -> &PostgresStore {
+        (**self).postgres_store()
+    }
+}
+
+impl<S: TransactionalStore + ?Sized> TransactionalStore for Arc<S> {
+    fn postgres_store(&self) -> &PostgresStore {
+        (**self).postgres_store()
+    }
+}
+
+impl<S: TransactionalStore + ?Sized> TransactionalStore for Box<S> {
+    fn postgres_store(&self) -> &PostgresStore {
+        (**self).postgres_store()
+    }
+}
+
+/// Where [`run_transactional`] keeps the transaction while the handler borrows it.
+#[derive(Default)]
+pub struct TxSlot(Mutex<Option<Transaction<'static, Postgres>>>);
+
+impl TxSlot {
+    /// An empty slot.
+    pub fn new() -> TxSlot {
+        TxSlot::default()
+    }
+
+    /// Lends the transaction to the handler until the returned guard drops.
+    ///
+    /// # Panics
+    /// When no transaction is in the slot: outside [`run_transactional`]'s body, or
+    /// lent twice at once.
+    pub fn lend(&self) -> LentTx<'_> {
+        let tx = self.take().expect("the transaction is lent once, inside the handler");
+        LentTx { slot: self, tx: Some(tx) }
+    }
+
+    fn put(&self, tx: Transaction<'static, Postgres>) {
+        *self.0.lock().unwrap_or_else(PoisonError::into_inner) = Some(tx);
+    }
+
+    fn take(&self) -> Option<Transaction<'static, Postgres>> {
+        self.0.lock().unwrap_or_else(PoisonError::into_inner).take()
+    }
+}
+
+/// The handler's transaction, lent from a [`TxSlot`]; dereferences to the
+/// [`Transaction`]. Dropping it puts the transaction back for the commit.
+pub struct LentTx<'a> {
+    slot: &'a TxSlot,
+    tx: Option<Transaction<'static, Postgres>>,
+}
+
+impl Deref for LentTx<'_> {
+    type Target = Transaction<'static, Postgres>;
+    fn deref(&self) -> &Self::Target {
+        self.tx.as_ref().expect("held until drop")
+    }
+}
+
+impl DerefMut for LentTx<'_> {
+    fn deref_mut(&mut self) -> &mut Self::Target {
+        self.tx.as_mut().expect("held until drop")
+    }
+}
+
+impl Drop for LentTx<'_> {
+    fn drop(&mut self) {
+        if let Some(tx) = self.tx.take() {
+            self.slot.put(tx);
+        }
+    }
+}
+
+/// Begins the transaction, records DONE in it and commits; rolls back otherwise.
+struct InTransaction<'a> {
+    slot: &'a TxSlot,
+}
+
+impl Completion<PostgresStore> for InTransaction<'_> {
+    async fn begin(&mut self, store: &PostgresStore) -> Result<(), StoreError> {
+        let tx = store.pool().begin().await.map_err(StoreError::unavailable)?;
+        self.slot.put(tx);
+        Ok(())
+    }
+
+    async fn complete(
+        self,
+        store: &PostgresStore,
+        key: &Key,
+        token: Token,
+        ttl: Duration,
+        result: Option<&[u8]>,
+    ) -> Completed {
+        let Some(mut tx) = self.slot.take() else {
+            let error = StoreError::Protocol("the handler's transaction went missing".to_owned());
+            return Completed::Failed { error, effects_kept: false };
+        };
+        match store.complete_on(&mut tx, key, token, ttl, result).await {
+            Ok(Transition::Applied) => match tx.commit().await {
+                Ok(()) => Completed::Applied,
+                // Whether it committed is unknown. The caller releases the key, which
+                // only takes effect if the record is still in progress, i.e. if the
+                // commit did not happen.
+                Err(e) => {
+                    Completed::Failed { error: StoreError::unavailable(e), effects_kept: false }
+                }
+            },
+            Ok(Transition::LeaseLost) => {
+                rollback(tx).await;
+                Completed::LeaseLost
+            }
+            Err(error) => {
+                rollback(tx).await;
+                Completed::Failed { error, effects_kept: false }
+            }
+        }
+    }
+
+    async fn discard(self) {
+        if let Some(tx) = self.slot.take() {
+            rollback(tx).await;
+        }
+    }
+}
+
+/// Rolls back; if that fails, the connection is closed by the pool, which rolls back.
+async fn rollback(tx: Transaction<'static, Postgres>) {
+    if let Err(error) = tx.rollback().await {
+        tracing::warn!(%error, "rollback failed; the connection is dropped instead");
+    }
+}
