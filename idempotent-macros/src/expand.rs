@@ -410,7 +410,8 @@ impl Handler {
                 }
                 let syn::PatType { pat, ty, .. } = lent.expect("checked: the argument exists");
                 let lent_var = Ident::new("__idempotent_lent", Span::mixed_site());
-                let borrow = quote_spanned!(ty.span()=> &mut #lent_var);
+                let at_ty = Ident::new("__idempotent_lent", lent_var.span().located_at(ty.span()));
+                let borrow = quote_spanned!(ty.span()=> &mut #at_ty);
                 (
                     Some(quote!(let #slot_var = #private::TxSlot::new();)),
                     quote! {

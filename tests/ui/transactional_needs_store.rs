@@ -1,0 +1,14 @@
+use idempotent::idempotent;
+use sqlx::{Postgres, Transaction};
+
+struct Order {
+    order_id: u64,
+}
+
+#[idempotent(key = "order:{order_id}", transactional)]
+async fn handle(msg: Order, tx: &mut Transaction<'_, Postgres>) -> Result<(), sqlx::Error> {
+    sqlx::query("SELECT 1").bind(msg.order_id as i64).execute(&mut **tx).await?;
+    Ok(())
+}
+
+fn main() {}
