@@ -16,4 +16,7 @@ fn expansions() {
         return;
     }
     macrotest::expand("tests/expand/*.rs");
+    if cfg!(feature = "postgres") {
+        macrotest::expand_args("tests/expand/postgres/*.rs", &["--features", "postgres"]);
+    }
 }

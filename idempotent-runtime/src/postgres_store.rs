@@ -27,6 +27,10 @@ pub const PURGE_BATCH: i64 = 1000;
 ///   record is expired, released, or in progress with a lapsed lease (and its
 ///   fingerprint agrees) `RETURNING`, with the existing record read in the same
 ///   statement when the claim is refused.
+/// * The claim commits asynchronously (`synchronous_commit = off`, for that statement
+///   only): losing it in a server crash is the same as its lease running out, and
+///   the DONE commit, which is synchronous, makes it durable too. This halves the
+///   WAL flushes per message.
 /// * Complete, release, fail and renew are one `UPDATE ... WHERE key = $1 AND state =
 ///   'P' AND token = $2`: a consumer whose lease was taken over changes nothing.
 /// * Expired rows are deleted in the background, [`PURGE_BATCH`] at a time, every
@@ -208,10 +212,14 @@ impl Sql {
         Sql {
             table: t.to_owned(),
             // $1 key, $2 token, $3 lease ms, $4 retention ms, $5 fingerprint.
+            // The claim commits without waiting for its WAL flush (`synchronous_commit`
+            // off for this statement only): a claim lost in a server crash is a lease
+            // that ran out, and the DONE commit that follows flushes it anyway.
             claim: format!(
                 "WITH claimed AS (
     INSERT INTO {t} AS r (key, state, attempts, token, lease_until, expires_at, fingerprint)
-    VALUES ($1, 'P', 1, $2, now() + $3 * interval '1 millisecond',
+    VALUES ($1, 'P', CASE set_config('synchronous_commit', 'off', true) WHEN 'off' THEN 1 END,
+            $2, now() + $3 * interval '1 millisecond',
             now() + $4 * interval '1 millisecond', $5)
     ON CONFLICT (key) DO UPDATE SET
         state = 'P',

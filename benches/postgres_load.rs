@@ -1,0 +1,131 @@
+//! Messages per second on a local PostgreSQL, at concurrency 1 and 16:
+//!
+//! * (a) `PostgresStore` claim + complete, nothing else;
+//! * (b) a `#[idempotent(transactional)]` handler that inserts one business row;
+//! * (c) the same by hand: one transaction doing `INSERT ... ON CONFLICT DO NOTHING`
+//!   into a processed-keys table, then the business insert, then `COMMIT`.
+//!
+//! (c) is the classic inbox table. It has no claim, so concurrent duplicates both
+//! run their handler and one waits on the other's row lock; (b) pays a claim
+//! statement for blocking them up front.
+//!
+//! `cargo bench --bench postgres_load --features postgres` (PostgreSQL at
+//! `DATABASE_URL`, default `postgres://postgres@127.0.0.1:5432/test`).
+
+mod load;
+
+use std::sync::OnceLock;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use idempotent::{Key, PostgresStore, Store, Token, Transition, idempotent};
+use load::{median, throughput};
+use sqlx::postgres::PgPoolOptions;
+use sqlx::{PgPool, Postgres, Transaction};
+
+const LEASE: Duration = Duration::from_secs(30);
+const TTL: Duration = Duration::from_secs(60);
+const ROUNDS: usize = 3;
+
+static STORE: OnceLock<PostgresStore> = OnceLock::new();
+
+struct Msg {
+    id: i64,
+}
+
+#[idempotent(key = "{id}", namespace = "bench", ttl = 60, lease = 30, store = STORE.get().unwrap(), transactional)]
+async fn handler(msg: Msg, tx: &mut Transaction<'_, Postgres>) -> Result<i64, sqlx::Error> {
+    sqlx::query("INSERT INTO bench_ledger (message_id, amount) VALUES ($1, 1)")
+        .bind(msg.id)
+        .execute(&mut **tx)
+        .await?;
+    Ok(msg.id)
+}
+
+/// (a): the store's two statements.
+async fn claim_and_complete(store: &PostgresStore, id: i64) {
+    let key = Key::new("bench-store", id.to_string()).unwrap();
+    let idempotent::Claim::Won { token, .. } = store.claim(&key, LEASE, TTL, None).await.unwrap()
+    else {
+        panic!("fresh key")
+    };
+    let done = store.complete(&key, token, TTL, None).await.unwrap();
+    assert_eq!(done, Transition::Applied);
+}
+
+/// (c): the hand-written inbox transaction.
+async fn by_hand(pool: &PgPool, id: i64) {
+    let mut tx = pool.begin().await.unwrap();
+    let fresh = sqlx::query("INSERT INTO bench_processed (key) VALUES ($1) ON CONFLICT DO NOTHING")
+        .bind(format!("bench:{id}"))
+        .execute(&mut *tx)
+        .await
+        .unwrap();
+    assert_eq!(fresh.rows_affected(), 1);
+    sqlx::query("INSERT INTO bench_ledger_hand (message_id, amount) VALUES ($1, 1)")
+        .bind(id)
+        .execute(&mut *tx)
+        .await
+        .unwrap();
+    tx.commit().await.unwrap();
+}
+
+#[tokio::main(flavor = "multi_thread", worker_threads = 2)]
+async fn main() {
+    if std::env::args().any(|a| a == "--list" || a == "--test") {
+        return; // `cargo test --benches` probes bench binaries; nothing to list.
+    }
+    let url = std::env::var("DATABASE_URL")
+        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into());
+    let pool = PgPoolOptions::new().max_connections(24).connect(&url).await.expect("a PostgreSQL");
+    let store = PostgresStore::from_pool(pool.clone()).with_table("bench_records").unwrap();
+    store.migrate().await.unwrap();
+    sqlx::raw_sql(
+        "CREATE TABLE IF NOT EXISTS bench_ledger (message_id bigint NOT NULL, amount bigint NOT NULL);
+         CREATE TABLE IF NOT EXISTS bench_ledger_hand (message_id bigint NOT NULL, amount bigint NOT NULL);
+         CREATE TABLE IF NOT EXISTS bench_processed (key text PRIMARY KEY);
+         TRUNCATE bench_records, bench_ledger, bench_ledger_hand, bench_processed;",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    STORE.set(store.clone()).unwrap();
+    let next = AtomicU64::new(Token::random().as_u128() as u64 >> 16);
+    let ids = move |n: u64| next.fetch_add(n, Ordering::Relaxed) as i64;
+
+    println!(
+        "| concurrency | (a) store msg/s | (b) transactional msg/s | (c) hand-written msg/s | (b)/(c) |"
+    );
+    println!("| --- | --- | --- | --- | --- |");
+    for (concurrency, total) in [(1usize, 2_000u64), (16, 10_000)] {
+        let (mut a, mut b, mut c) = (Vec::new(), Vec::new(), Vec::new());
+        for _ in 0..ROUNDS {
+            let (base, store) = (ids(total), store.clone());
+            a.push(
+                throughput(concurrency, total, move |i| {
+                    let store = store.clone();
+                    async move { claim_and_complete(&store, base + i as i64).await }
+                })
+                .await,
+            );
+            let base = ids(total);
+            b.push(
+                throughput(concurrency, total, move |i| async move {
+                    let out = handler(Msg { id: base + i as i64 }).await.expect("processed");
+                    assert!(out.is_processed());
+                })
+                .await,
+            );
+            let (base, pool) = (ids(total), pool.clone());
+            c.push(
+                throughput(concurrency, total, move |i| {
+                    let pool = pool.clone();
+                    async move { by_hand(&pool, base + i as i64).await }
+                })
+                .await,
+            );
+        }
+        let (a, b, c) = (median(a), median(b), median(c));
+        println!("| {concurrency} | {a:.0} | {b:.0} | {c:.0} | {:.0}% |", 100.0 * b / c);
+    }
+}

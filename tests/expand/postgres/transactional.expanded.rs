@@ -1,0 +1,63 @@
+use idempotent::{PostgresStore, idempotent};
+use sqlx::{Postgres, Transaction};
+struct Debit {
+    id: i64,
+    amount: i64,
+}
+async fn debit(
+    msg: &Debit,
+    pg: &PostgresStore,
+) -> ::core::result::Result<
+    ::idempotent::Outcome<()>,
+    ::idempotent::Error<sqlx::Error>,
+> {
+    let __idempotent_tx = ::idempotent::__private::TxSlot::new();
+    let __idempotent_key = {
+        let mut __idempotent_key = ::idempotent::__private::KeyBuilder::new("debit");
+        __idempotent_key.text("debit:");
+        __idempotent_key.field("id", &msg.id);
+        __idempotent_key.finish()
+    };
+    let __idempotent_call = ::idempotent::__private::Call::new(
+        ::idempotent::__private::Spec::new(
+            ::core::time::Duration::from_millis(86400000u64),
+            ::core::time::Duration::from_millis(30000u64),
+            5u32,
+        ),
+        __idempotent_key,
+    );
+    let __idempotent_store = &(pg);
+    let __idempotent_store = ::idempotent::__private::TransactionalStore::postgres_store(
+        __idempotent_store,
+    );
+    ::idempotent::__private::run_transactional(
+            __idempotent_call,
+            __idempotent_store,
+            &__idempotent_tx,
+            <sqlx::Error as ::idempotent::Classify>::class,
+            ::idempotent::__private::process_sink,
+            async {
+                let mut __idempotent_lent = __idempotent_tx.lend();
+                let tx: &mut Transaction<'_, Postgres> = &mut __idempotent_lent;
+                #[allow(
+                    unknown_lints,
+                    unreachable_code,
+                    clippy::diverging_sub_expression,
+                    clippy::let_unit_value,
+                    clippy::unreachable,
+                    clippy::empty_loop,
+                    clippy::needless_return
+                )]
+                if false {
+                    let __idempotent_fake_return: Result<(), sqlx::Error> = loop {};
+                    return __idempotent_fake_return;
+                }
+                sqlx::query("UPDATE accounts SET balance = balance - $1")
+                    .bind(msg.amount)
+                    .execute(&mut **tx)
+                    .await?;
+                Ok(())
+            },
+        )
+        .await
+}
