@@ -1,5 +1,6 @@
 //! Expansion snapshots: what `#[idempotent]` turns representative handlers into.
-//! Regenerate with `MACROTEST=overwrite cargo test --test expand` and review the diff.
+//! Regenerate with `MACROTEST=overwrite cargo test --all-features --test expand` and
+//! review the diff. `tests/expand/postgres/` is expanded with the `postgres` feature.
 //!
 //! Needs `cargo-expand` (`cargo install --locked cargo-expand`). Without it the test is
 //! skipped with a message, except under CI (`CI` set), where it fails.
