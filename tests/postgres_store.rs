@@ -2,25 +2,18 @@
 //! `postgres://postgres@127.0.0.1:5432/test`): the store-generic suite, unchanged, plus
 //! the table's own upkeep.
 
+#[path = "support/postgres.rs"]
+mod postgres;
+
 use idempotent::testing::{self, block_on};
 use idempotent::{Claim, Key, PostgresStore, Store};
 
 /// A migrated store on the shared table; `None` (with a printed reason) when no
 /// PostgreSQL answers outside CI.
 async fn store() -> Option<PostgresStore> {
-    let url = std::env::var("DATABASE_URL")
-        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into());
-    match PostgresStore::connect(&url).await {
-        Ok(store) => {
-            store.migrate().await.expect("migration");
-            Some(store)
-        }
-        Err(e) => {
-            assert!(std::env::var_os("CI").is_none(), "CI needs PostgreSQL at {url}: {e}");
-            eprintln!("skipped: no PostgreSQL at {url} ({e}); set DATABASE_URL");
-            None
-        }
-    }
+    let store = PostgresStore::from_pool(postgres::pool(10).await?);
+    store.migrate().await.expect("migration");
+    Some(store)
 }
 
 idempotent::store_suite!(match store().await {

@@ -11,6 +11,9 @@ use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::time::Duration;
 
+#[path = "support/postgres.rs"]
+mod postgres;
+
 use idempotent::{Classify, Error, Outcome, PostgresStore, idempotent};
 use sqlx::{Postgres, Transaction};
 use tokio::sync::Notify;
@@ -70,21 +73,7 @@ impl Bank {
     /// Fresh tables; `None` (with a printed reason) when no PostgreSQL answers
     /// outside CI.
     async fn open(connections: u32) -> Option<Bank> {
-        let url = std::env::var("DATABASE_URL")
-            .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into());
-        let pool = sqlx::postgres::PgPoolOptions::new()
-            .max_connections(connections)
-            .acquire_timeout(Duration::from_secs(10))
-            .connect(&url)
-            .await;
-        let pool = match pool {
-            Ok(pool) => pool,
-            Err(e) => {
-                assert!(std::env::var_os("CI").is_none(), "CI needs PostgreSQL at {url}: {e}");
-                eprintln!("skipped: no PostgreSQL at {url} ({e}); set DATABASE_URL");
-                return None;
-            }
-        };
+        let pool = postgres::pool(connections).await?;
         let suffix = idempotent::testing::fresh_key("tx").namespace().replace('-', "_");
         let records = format!("records_{suffix}");
         let ledger = format!("ledger_{suffix}");
