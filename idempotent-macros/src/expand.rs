@@ -409,9 +409,11 @@ impl Handler {
                     }
                 }
                 let syn::PatType { pat, ty, .. } = lent.expect("checked: the argument exists");
-                let lent_var = Ident::new("__idempotent_lent", Span::mixed_site());
-                let at_ty = Ident::new("__idempotent_lent", lent_var.span().located_at(ty.span()));
-                let borrow = quote_spanned!(ty.span()=> &mut #at_ty);
+                // Located at the user's type: a type that is not sqlx's transaction is
+                // reported there.
+                let located = Span::mixed_site().located_at(ty.span());
+                let lent_var = Ident::new("__idempotent_lent", located);
+                let borrow = quote_spanned!(ty.span()=> &mut #lent_var);
                 (
                     Some(quote!(let #slot_var = #private::TxSlot::new();)),
                     quote! {
