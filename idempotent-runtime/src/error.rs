@@ -57,9 +57,11 @@ pub enum Error<E> {
     Store {
         /// What the store reported.
         error: StoreError,
-        /// Whether the handler's effects may have happened. `false`: nothing took
-        /// effect (the handler did not run, or its transaction was rolled back),
-        /// redeliver. `true`: the handler's effects happened but could not be recorded as done;
+        /// Whether the handler's effects may stand without a DONE record. `false`:
+        /// redeliver; nothing took effect (the handler did not run, or its transaction
+        /// was rolled back), or, with `transactional`, a commit whose answer was lost
+        /// committed the effects and DONE together, and the redelivery is a duplicate.
+        /// `true`: the handler's effects happened but could not be recorded as done;
         /// the key stays claimed until its lease runs out, then a redelivery runs again.
         handler_ran: bool,
     },

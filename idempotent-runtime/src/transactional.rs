@@ -30,7 +30,8 @@ use crate::{Error, ErrorClass, Key, Outcome, PostgresStore, StoreError, Token, T
 /// * on `Ok`, the record is marked DONE inside that transaction, which then commits.
 ///   If another consumer took the key meanwhile, the transaction rolls back and the
 ///   call is [`Error::LeaseLost`]; if the commit fails, the key is released and the
-///   call is [`Error::Store`] with `handler_ran: false`;
+///   call is [`Error::Store`] with `handler_ran: false` (a commit that did happen,
+///   its answer lost, left the record DONE, which the release does not touch);
 /// * on `Err` or a panic, the transaction rolls back before the key is released or
 ///   recorded FAILED;
 /// * if the call is dropped mid-way, the transaction is dropped (rolled back) and the
