@@ -21,14 +21,9 @@ pub mod consume;
 mod error;
 pub mod execute;
 mod key;
-mod memory;
 mod outcome;
 mod payload;
-#[cfg(feature = "postgres")]
-pub mod postgres_store;
-#[cfg(feature = "redis")]
-pub mod redis_store;
-mod store;
+pub mod store;
 #[cfg(feature = "testing")]
 pub mod testing;
 #[cfg(feature = "postgres")]
@@ -38,13 +33,13 @@ pub use alert::{AlertSink, TerminalEvent, set_alert_sink};
 pub use classify::{Classify, ErrorClass};
 pub use error::{Error, KeyError, StoreError};
 pub use key::{Key, KeyBuilder, MAX_KEY_LEN};
-pub use memory::MemoryStore;
 pub use outcome::{Disposition, DispositionExt, Outcome};
 pub use payload::{Document, Fingerprint, Payload, PayloadRef, Unusable};
+pub use store::memory::MemoryStore;
 #[cfg(feature = "postgres")]
-pub use postgres_store::PostgresStore;
+pub use store::postgres::{self as postgres_store, PostgresStore};
 #[cfg(feature = "redis")]
-pub use redis_store::RedisStore;
+pub use store::redis::{self as redis_store, RedisStore};
 pub use store::{
     AlreadySet, AsStore, Claim, DefaultStore, Store, Token, Transition, claim_retention,
     default_store, set_default_store,

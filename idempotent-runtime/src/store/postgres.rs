@@ -1,21 +1,15 @@
 //! `PostgresStore`: records in a PostgreSQL table.
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use async_trait::async_trait;
 use sqlx::postgres::{PgConnection, PgExecutor, PgPool, PgPoolOptions};
 
+use super::sql::{self, PurgeSchedule, millis};
 use crate::{Claim, Fingerprint, Key, Store, StoreError, Token, Transition};
 
-/// The table records live in unless [`PostgresStore::with_table`] says otherwise.
-pub const DEFAULT_TABLE: &str = "idempotent_records";
-/// One claim in this many also deletes up to [`PURGE_BATCH`] expired records, in the
-/// background, so the table does not grow without a cron job.
-pub const PURGE_EVERY_CLAIMS: u64 = 1024;
-/// How many expired records one background purge deletes at most.
-pub const PURGE_BATCH: i64 = 1000;
+pub use super::sql::{DEFAULT_TABLE, PURGE_BATCH, PURGE_EVERY_CLAIMS};
 
 /// Records in PostgreSQL, through an `sqlx` pool.
 ///
@@ -44,7 +38,7 @@ pub const PURGE_BATCH: i64 = 1000;
 pub struct PostgresStore {
     pool: PgPool,
     sql: Arc<Sql>,
-    claims: Arc<AtomicU64>,
+    purge: Arc<PurgeSchedule>,
 }
 
 struct Sql {
@@ -80,21 +74,13 @@ impl PostgresStore {
         PostgresStore {
             pool,
             sql: Arc::new(Sql::new(DEFAULT_TABLE)),
-            claims: Arc::new(AtomicU64::new(0)),
+            purge: Arc::default(),
         }
     }
 
     /// Keeps records in `table` (`name` or `schema.name`; letters, digits and `_`).
     pub fn with_table(mut self, table: &str) -> Result<PostgresStore, StoreError> {
-        let valid = |part: &str| {
-            part.chars().next().is_some_and(|c| c.is_ascii_alphabetic() || c == '_')
-                && part.chars().all(|c| c.is_ascii_alphanumeric() || c == '_')
-        };
-        if table.split('.').count() > 2 || !table.split('.').all(valid) {
-            return Err(StoreError::Protocol(format!(
-                "table name `{table}` must be `name` or `schema.name` of letters, digits and `_`"
-            )));
-        }
+        sql::check_table_name(table)?;
         self.sql = Arc::new(Sql::new(table));
         Ok(self)
     }
@@ -183,18 +169,9 @@ CREATE INDEX IF NOT EXISTS {index}_expires_at ON {t} (expires_at);"
     }
 
     fn maybe_purge(&self) {
-        if self.claims.fetch_add(1, Ordering::Relaxed) % PURGE_EVERY_CLAIMS
-            != PURGE_EVERY_CLAIMS - 1
-        {
-            return;
-        }
-        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+        if self.purge.due() {
             let store = self.clone();
-            runtime.spawn(async move {
-                if let Err(error) = store.purge_expired(PURGE_BATCH).await {
-                    tracing::warn!(%error, "purging expired idempotency records failed");
-                }
-            });
+            sql::spawn_purge(async move { store.purge_expired(PURGE_BATCH).await });
         }
     }
 }
@@ -269,10 +246,6 @@ WHERE r.key = $1 AND r.expires_at > now() AND NOT EXISTS (SELECT 1 FROM claimed)
     }
 }
 
-fn millis(d: Duration) -> i64 {
-    i64::try_from(d.as_millis()).unwrap_or(i64::MAX).max(1)
-}
-
 #[async_trait]
 impl Store for PostgresStore {
     async fn claim(
@@ -344,33 +317,5 @@ impl Store for PostgresStore {
     /// a runtime, the lease runs out instead.
     fn abandon(&self, key: &Key, token: Token) {
         crate::store::release_in_background(self, key, token);
-    }
-}
-
-/// Database errors by SQLSTATE class: serialization failures and deadlocks (40),
-/// lost connections (08), exhausted resources (53), operator intervention such as
-/// a terminated backend (57) and lock timeouts (55P03) retry; constraint
-/// violations (23), bad data (22) and the rest are terminal. Connection, pool and
-/// I/O errors retry; decoding and "row not found" errors are terminal.
-impl crate::Classify for sqlx::Error {
-    fn class(&self) -> crate::ErrorClass {
-        use crate::ErrorClass::{Retryable, Terminal};
-        match self {
-            sqlx::Error::Database(e) => {
-                let code = e.code();
-                let code = code.as_deref().unwrap_or("");
-                let retryable =
-                    ["40", "08", "53", "57"].iter().any(|class| code.starts_with(class))
-                        || code == "55P03";
-                if retryable { Retryable } else { Terminal }
-            }
-            sqlx::Error::Io(_)
-            | sqlx::Error::Tls(_)
-            | sqlx::Error::Protocol(_)
-            | sqlx::Error::PoolTimedOut
-            | sqlx::Error::PoolClosed
-            | sqlx::Error::WorkerCrashed => Retryable,
-            _ => Terminal,
-        }
     }
 }

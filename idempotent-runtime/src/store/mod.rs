@@ -1,4 +1,11 @@
-//! The `Store` trait: where idempotency records live and how they change.
+//! Where idempotency records live: the [`Store`] trait and its implementations.
+//!
+//! * [`memory`]: [`MemoryStore`](memory::MemoryStore), in process.
+//! * `redis` (feature `redis`): `RedisStore`, standalone and Cluster.
+//! * `postgres` (feature `postgres`): `PostgresStore`.
+//!
+//! The SQL stores share their table handling, purge schedule and error
+//! classification (`sql`).
 
 use std::fmt;
 use std::sync::{Arc, OnceLock};
@@ -7,6 +14,16 @@ use std::time::Duration;
 use async_trait::async_trait;
 
 use crate::{Fingerprint, Key, StoreError};
+
+pub mod memory;
+#[cfg(feature = "postgres")]
+#[cfg_attr(docsrs, doc(cfg(feature = "postgres")))]
+pub mod postgres;
+#[cfg(feature = "redis")]
+#[cfg_attr(docsrs, doc(cfg(feature = "redis")))]
+pub mod redis;
+#[cfg(feature = "postgres")]
+mod sql;
 
 /// Identifies one claim on a key. Every transition after the claim carries it, and a
 /// store applies the transition only while the record still holds the same token, so
