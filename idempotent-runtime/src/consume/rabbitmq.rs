@@ -40,20 +40,31 @@ pub async fn declare_with_dead_letter(channel: &Channel, queue: &str) -> lapin::
     let durable = QueueDeclareOptions { durable: true, ..Default::default() };
     channel
         .exchange_declare(
-            &exchange,
+            name(&exchange)?,
             ExchangeKind::Fanout,
             ExchangeDeclareOptions { durable: true, ..Default::default() },
             FieldTable::default(),
         )
         .await?;
-    channel.queue_declare(&dead, durable, FieldTable::default()).await?;
+    channel.queue_declare(name(&dead)?, durable, FieldTable::default()).await?;
+    let (bound, to, routing) = (name(&dead)?, name(&exchange)?, name("")?);
     channel
-        .queue_bind(&dead, &exchange, "", QueueBindOptions::default(), FieldTable::default())
+        .queue_bind(bound, to, routing, QueueBindOptions::default(), FieldTable::default())
         .await?;
     let mut arguments = FieldTable::default();
     arguments.insert("x-dead-letter-exchange".into(), AMQPValue::LongString(exchange.into()));
-    channel.queue_declare(queue, durable, arguments).await?;
+    channel.queue_declare(name(queue)?, durable, arguments).await?;
     Ok(dead)
+}
+
+/// An AMQP name (at most 255 bytes); a longer one is an error, not a panic.
+fn name(name: &str) -> lapin::Result<lapin::types::ShortString> {
+    lapin::types::ShortString::try_new(name).map_err(|_| {
+        lapin::Error::from(std::io::Error::new(
+            std::io::ErrorKind::InvalidInput,
+            format!("AMQP names are at most 255 bytes; this one has {}", name.len()),
+        ))
+    })
 }
 
 /// A consumer on one queue with manual acknowledgements.
@@ -75,7 +86,8 @@ impl RabbitConsumer {
     /// prefetch (`basic_qos`) to bound how many unacked deliveries it holds.
     pub async fn new(channel: &Channel, queue: &str, tag: &str) -> lapin::Result<RabbitConsumer> {
         let options = BasicConsumeOptions { no_ack: false, ..Default::default() };
-        let consumer = channel.basic_consume(queue, tag, options, FieldTable::default()).await?;
+        let consumer =
+            channel.basic_consume(name(queue)?, name(tag)?, options, FieldTable::default()).await?;
         Ok(RabbitConsumer { consumer, retry_delay: std::time::Duration::from_secs(1) })
     }
 

@@ -5,6 +5,7 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use sqlx::postgres::{PgConnection, PgExecutor, PgPool, PgPoolOptions};
+use sqlx::{AssertSqlSafe, SqlSafeStr, SqlStr};
 
 use super::sql::{self, PurgeSchedule, millis};
 use crate::{Claim, Fingerprint, Key, Store, StoreError, Token, Transition};
@@ -41,13 +42,15 @@ pub struct PostgresStore {
     purge: Arc<PurgeSchedule>,
 }
 
+/// The statements, built once per table. `SqlStr`s made from an `Arc<str>` clone
+/// without copying the text.
 struct Sql {
     table: String,
-    claim: String,
-    finish: String,
-    release: String,
-    renew: String,
-    purge: String,
+    claim: SqlStr,
+    finish: SqlStr,
+    release: SqlStr,
+    renew: SqlStr,
+    purge: SqlStr,
 }
 
 impl std::fmt::Debug for PostgresStore {
@@ -71,11 +74,7 @@ impl PostgresStore {
 
     /// Uses a pool configured by the caller.
     pub fn from_pool(pool: PgPool) -> PostgresStore {
-        PostgresStore {
-            pool,
-            sql: Arc::new(Sql::new(DEFAULT_TABLE)),
-            purge: Arc::default(),
-        }
+        PostgresStore { pool, sql: Arc::new(Sql::new(DEFAULT_TABLE)), purge: Arc::default() }
     }
 
     /// Keeps records in `table` (`name` or `schema.name`; letters, digits and `_`).
@@ -118,7 +117,7 @@ CREATE INDEX IF NOT EXISTS {index}_expires_at ON {t} (expires_at);"
             .execute(&mut *tx)
             .await
             .map_err(StoreError::unavailable)?;
-        sqlx::raw_sql(&self.migration_sql())
+        sqlx::raw_sql(AssertSqlSafe(self.migration_sql()))
             .execute(&mut *tx)
             .await
             .map_err(StoreError::unavailable)?;
@@ -127,7 +126,7 @@ CREATE INDEX IF NOT EXISTS {index}_expires_at ON {t} (expires_at);"
 
     /// Deletes up to `batch` expired records; returns how many.
     pub async fn purge_expired(&self, batch: i64) -> Result<u64, StoreError> {
-        let done = sqlx::query(&self.sql.purge)
+        let done = sqlx::query(self.sql.purge.clone())
             .bind(batch)
             .execute(&self.pool)
             .await
@@ -152,13 +151,13 @@ CREATE INDEX IF NOT EXISTS {index}_expires_at ON {t} (expires_at);"
     async fn update(
         &self,
         on: impl PgExecutor<'_>,
-        sql: &str,
+        sql: &SqlStr,
         key: &Key,
         token: Token,
         extra: Extra<'_>,
     ) -> Result<Transition, StoreError> {
         let token = token.as_u128().to_be_bytes();
-        let query = sqlx::query(sql).bind(key.as_bytes()).bind(token.as_slice());
+        let query = sqlx::query(sql.clone()).bind(key.as_bytes()).bind(token.as_slice());
         let query = match extra {
             Extra::None => query,
             Extra::Millis(ms) => query.bind(ms),
@@ -182,6 +181,11 @@ enum Extra<'a> {
     Finish { state: i8, ttl: i64, result: Option<&'a [u8]> },
 }
 
+/// Statement text made from a validated table name and our own SQL.
+fn statement(sql: String) -> SqlStr {
+    AssertSqlSafe(std::sync::Arc::<str>::from(sql)).into_sql_str()
+}
+
 impl Sql {
     fn new(table: &str) -> Sql {
         let t = table;
@@ -192,7 +196,7 @@ impl Sql {
             // The claim commits without waiting for its WAL flush (`synchronous_commit`
             // off for this statement only): a claim lost in a server crash is a lease
             // that ran out, and the DONE commit that follows flushes it anyway.
-            claim: format!(
+            claim: statement(format!(
                 "WITH claimed AS (
     INSERT INTO {t} AS r (key, state, attempts, token, lease_until, expires_at, fingerprint)
     VALUES ($1, 'P', CASE set_config('synchronous_commit', 'off', true) WHEN 'off' THEN 1 END,
@@ -224,24 +228,24 @@ SELECT CASE WHEN r.fingerprint IS NOT NULL AND $5::bytea IS NOT NULL
        r.attempts, r.result
 FROM {t} r
 WHERE r.key = $1 AND r.expires_at > now() AND NOT EXISTS (SELECT 1 FROM claimed)"
-            ),
+            )),
             // $3 state (D or F), $4 ttl ms, $5 result.
-            finish: format!(
+            finish: statement(format!(
                 "UPDATE {t} SET state = $3::\"char\", token = NULL, lease_until = NULL,
     expires_at = now() + $4 * interval '1 millisecond', result = $5 WHERE {live}"
-            ),
-            release: format!(
+            )),
+            release: statement(format!(
                 "UPDATE {t} SET state = 'R', token = NULL, lease_until = NULL WHERE {live}"
-            ),
+            )),
             // $3 lease ms.
-            renew: format!(
+            renew: statement(format!(
                 "UPDATE {t} SET lease_until = now() + $3 * interval '1 millisecond',
     expires_at = GREATEST(expires_at, now() + $3 * interval '1 millisecond') WHERE {live}"
-            ),
-            purge: format!(
+            )),
+            purge: statement(format!(
                 "DELETE FROM {t} WHERE key IN
     (SELECT key FROM {t} WHERE expires_at <= now() LIMIT $1 FOR UPDATE SKIP LOCKED)"
-            ),
+            )),
         }
     }
 }
@@ -261,15 +265,16 @@ impl Store for PostgresStore {
         // snapshot can make the statement see nothing at all: ask again.
         for _ in 0..10 {
             let token = Token::random();
-            let row: Option<(String, i32, Option<Vec<u8>>)> = sqlx::query_as(&self.sql.claim)
-                .bind(key.as_bytes())
-                .bind(token.as_u128().to_be_bytes().as_slice())
-                .bind(millis(lease))
-                .bind(millis(retention))
-                .bind(fingerprint.map(|f| f.as_bytes().as_slice()))
-                .fetch_optional(&self.pool)
-                .await
-                .map_err(StoreError::unavailable)?;
+            let row: Option<(String, i32, Option<Vec<u8>>)> =
+                sqlx::query_as(self.sql.claim.clone())
+                    .bind(key.as_bytes())
+                    .bind(token.as_u128().to_be_bytes().as_slice())
+                    .bind(millis(lease))
+                    .bind(millis(retention))
+                    .bind(fingerprint.map(|f| f.as_bytes().as_slice()))
+                    .fetch_optional(&self.pool)
+                    .await
+                    .map_err(StoreError::unavailable)?;
             let Some((outcome, attempts, result)) = row else { continue };
             let attempts = u32::try_from(attempts).unwrap_or(0);
             return match outcome.as_str() {

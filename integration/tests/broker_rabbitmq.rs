@@ -43,7 +43,11 @@ async fn connect() -> Option<Connection> {
 
 async fn ready(channel: &Channel, queue: &str) -> u32 {
     let passive = QueueDeclareOptions { passive: true, ..Default::default() };
-    channel.queue_declare(queue, passive, FieldTable::default()).await.unwrap().message_count()
+    channel
+        .queue_declare(queue.into(), passive, FieldTable::default())
+        .await
+        .unwrap()
+        .message_count()
 }
 
 #[test]
@@ -58,7 +62,7 @@ fn two_consumers_one_killed_every_message_once() {
             let props = BasicProperties::default();
             let options = BasicPublishOptions::default();
             channel
-                .basic_publish("", &queue, options, body.as_bytes(), props)
+                .basic_publish("".into(), queue.as_str().into(), options, body.as_bytes(), props)
                 .await
                 .unwrap()
                 .await
@@ -106,7 +110,7 @@ fn two_consumers_one_killed_every_message_once() {
         hung.await;
         doomed.abort();
         let _ = doomed.await;
-        doomed_conn.close(320, "killed").await.unwrap();
+        doomed_conn.close(320, "killed".into()).await.unwrap();
         let (_restarted_conn, restarted) = consumer("doomed", false).await;
 
         let expected = World::expected();
@@ -128,7 +132,7 @@ fn two_consumers_one_killed_every_message_once() {
 
         let mut dead_ids = HashSet::new();
         while let Some(message) =
-            channel.basic_get(&dead, BasicGetOptions { no_ack: true }).await.unwrap()
+            channel.basic_get(dead.as_str().into(), BasicGetOptions { no_ack: true }).await.unwrap()
         {
             dead_ids.insert(order_id(&message.delivery.data));
         }
@@ -136,7 +140,7 @@ fn two_consumers_one_killed_every_message_once() {
         assert_eq!(dead_ids, want, "exactly the rejected orders are dead-lettered");
         assert!(*acked.lock().unwrap() >= 1_900);
         for q in [&queue, &dead] {
-            channel.queue_delete(q, Default::default()).await.unwrap();
+            channel.queue_delete(q.as_str().into(), Default::default()).await.unwrap();
         }
     });
 }

@@ -41,7 +41,13 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         let body = format!(r#"{{"order_id":{order_id},"amount_cents":{amount}}}"#);
         let props = BasicProperties::default();
         channel
-            .basic_publish("", &queue, BasicPublishOptions::default(), body.as_bytes(), props)
+            .basic_publish(
+                "".into(),
+                queue.as_str().into(),
+                BasicPublishOptions::default(),
+                body.as_bytes(),
+                props,
+            )
             .await?
             .await?;
     }
@@ -57,8 +63,8 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     println!("{published} deliveries: {counts:?}; failed orders are in {dead}");
     assert_eq!(counts[&Disposition::DeadLetter], 1);
     for q in [&queue, &dead] {
-        channel.queue_delete(q, Default::default()).await?;
+        channel.queue_delete(q.as_str().into(), Default::default()).await?;
     }
-    connection.close(200, "done").await?;
+    connection.close(200, "done".into()).await?;
     Ok(())
 }

@@ -1,6 +1,6 @@
 //! Expansion snapshots: what `#[idempotent]` turns representative handlers into.
-//! Regenerate with `MACROTEST=overwrite cargo test --all-features --test expand` and
-//! review the diff. `tests/expand/postgres/` is expanded with the `postgres` feature.
+//! Regenerate with `MACROTEST=overwrite cargo test -p idempotent-integration --test
+//! expand` and review the diff.
 //!
 //! Needs `cargo-expand` (`cargo install --locked cargo-expand`). Without it the test is
 //! skipped with a message, except under CI (`CI` set), where it fails.
@@ -17,7 +17,5 @@ fn expansions() {
         return;
     }
     macrotest::expand("tests/expand/*.rs");
-    if cfg!(feature = "postgres") {
-        macrotest::expand_args("tests/expand/postgres/*.rs", &["--features", "postgres"]);
-    }
+    macrotest::expand("tests/expand/postgres/*.rs");
 }

@@ -43,6 +43,9 @@ fn tables_are_configurable_and_expired_records_are_purged() {
         tokio::time::sleep(std::time::Duration::from_millis(200)).await;
         assert_eq!(store.purge_expired(1_000).await.unwrap(), 20);
         assert_eq!(store.purge_expired(1_000).await.unwrap(), 0);
-        sqlx::query(&format!("DROP TABLE {table}")).execute(store.pool()).await.unwrap();
+        sqlx::query(sqlx::AssertSqlSafe(format!("DROP TABLE {table}")))
+            .execute(store.pool())
+            .await
+            .unwrap();
     });
 }

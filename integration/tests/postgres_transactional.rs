@@ -15,7 +15,7 @@ use std::time::Duration;
 mod postgres;
 
 use idempotent::{Classify, Error, Outcome, PostgresStore, idempotent};
-use sqlx::{Postgres, Transaction};
+use sqlx::{AssertSqlSafe, Postgres, Transaction};
 use tokio::sync::Notify;
 
 #[derive(Debug, Clone)]
@@ -83,7 +83,7 @@ impl Bank {
             "CREATE TABLE {ledger} (message_id bigint NOT NULL, account bigint NOT NULL, \
              amount bigint NOT NULL)"
         );
-        sqlx::query(&create).execute(store.pool()).await.unwrap();
+        sqlx::query(AssertSqlSafe(create)).execute(store.pool()).await.unwrap();
         let insert =
             format!("INSERT INTO {ledger} (message_id, account, amount) VALUES ($1, $2, $3)");
         Some(Bank {
@@ -124,14 +124,14 @@ impl Bank {
     /// Rows the ledger holds for `id`, read outside any handler transaction.
     async fn rows(&self, id: i64) -> i64 {
         let sql = format!("SELECT count(*) FROM {} WHERE message_id = $1", self.ledger);
-        sqlx::query_scalar(&sql).bind(id).fetch_one(self.store.pool()).await.unwrap()
+        sqlx::query_scalar(AssertSqlSafe(sql)).bind(id).fetch_one(self.store.pool()).await.unwrap()
     }
 
     /// The record's state letter for `id` (`P`, `R`, `D`, `F`), if there is one.
     async fn state(&self, id: i64) -> Option<String> {
         let key = idempotent::Key::new("debit", format!("debit:{id}")).unwrap();
         let sql = format!("SELECT state::text FROM {} WHERE key = $1", self.records);
-        sqlx::query_scalar(&sql)
+        sqlx::query_scalar(AssertSqlSafe(sql))
             .bind(key.as_bytes())
             .fetch_optional(self.store.pool())
             .await
@@ -140,7 +140,7 @@ impl Bank {
 
     async fn drop_tables(&self) {
         let sql = format!("DROP TABLE {}, {}", self.records, self.ledger);
-        sqlx::query(&sql).execute(self.store.pool()).await.unwrap();
+        sqlx::query(AssertSqlSafe(sql)).execute(self.store.pool()).await.unwrap();
     }
 }
 
@@ -158,7 +158,7 @@ async fn debit(
     bank: &Bank,
     tx: &mut Transaction<'_, Postgres>,
 ) -> Result<i64, DebitError> {
-    sqlx::query(&bank.insert)
+    sqlx::query(AssertSqlSafe(bank.insert.as_str()))
         .bind(msg.id)
         .bind(msg.account)
         .bind(msg.amount)
@@ -184,7 +184,7 @@ async fn debit(
         Fault::LoseLease => {
             let key = idempotent::Key::new("debit", format!("debit:{}", msg.id)).unwrap();
             let sql = format!("UPDATE {} SET token = '\\x00'::bytea WHERE key = $1", bank.records);
-            sqlx::query(&sql).bind(key.as_bytes()).execute(bank.store.pool()).await?;
+            sqlx::query(AssertSqlSafe(sql)).bind(key.as_bytes()).execute(bank.store.pool()).await?;
         }
     }
     Ok(msg.amount)
@@ -378,12 +378,13 @@ async fn eight_consumers_apply_each_message_exactly_once() {
         bank.ledger
     );
     let (rows, distinct, total): (i64, i64, i64) =
-        sqlx::query_as(&sql).fetch_one(bank.store.pool()).await.unwrap();
+        sqlx::query_as(AssertSqlSafe(sql)).fetch_one(bank.store.pool()).await.unwrap();
     assert_eq!((rows, distinct), (UNIQUE, UNIQUE), "one ledger row per message");
     assert_eq!(total, (0..UNIQUE).map(|id| 100 + id).sum::<i64>());
     assert_eq!(processed.load(Ordering::SeqCst), UNIQUE as usize);
     let sql = format!("SELECT count(*) FROM {} WHERE state = 'D'", bank.records);
-    let done: i64 = sqlx::query_scalar(&sql).fetch_one(bank.store.pool()).await.unwrap();
+    let done: i64 =
+        sqlx::query_scalar(AssertSqlSafe(sql)).fetch_one(bank.store.pool()).await.unwrap();
     assert_eq!(done, UNIQUE);
     assert!(redelivered.load(Ordering::SeqCst) > 0, "faults were injected");
     bank.drop_tables().await;
