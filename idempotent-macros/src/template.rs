@@ -68,7 +68,61 @@ pub fn parse(lit: &LitStr) -> syn::Result<Vec<Segment>> {
              add one, e.g. `\"{source}{{order_id}}\"`, or use `key_fn = ...`"
         )));
     }
+    check_separators(&segments).map_err(err)?;
     Ok(segments)
+}
+
+/// Two placeholders need text between them that an encoded value can't contain: the
+/// runtime percent-encodes `%` and the separator's first character in the value
+/// before it (as `%` and upper-case hex digits), so the first such character after a
+/// value is where it ends, and distinct values always render distinct keys.
+fn check_separators(segments: &[Segment]) -> Result<(), String> {
+    let is_value = |s: &Segment| !matches!(s, Segment::Text(_));
+    for (i, value) in segments.iter().enumerate() {
+        // Only a value that another placeholder follows is encoded.
+        if !is_value(value) || !segments[i + 1..].iter().any(is_value) {
+            continue;
+        }
+        // Text is merged while parsing: one `Text` at most between two placeholders.
+        let (value, next) = (written(value), &segments[i + 1]);
+        match next {
+            Segment::Text(text) => match text.chars().next() {
+                Some(first) if !separates(first) => {
+                    return Err(format!(
+                        "the separator after `{value}` starts with `{first}`: a value followed \
+                         by a separator is percent-encoded (`%3A`), so the separator can't \
+                         start with `%`, a digit or `A`-`F`, or two messages could render the \
+                         same key; start it with another character, e.g. `{value}:{text}`"
+                    ));
+                }
+                _ => {}
+            },
+            _ => {
+                let next = written(next);
+                return Err(format!(
+                    "`{value}{next}` has nothing between the placeholders, so (\"ab\", \"c\") \
+                     and (\"a\", \"bc\") would render the same key: put a separator between \
+                     them, e.g. `{value}:{next}`"
+                ));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Whether text starting with `c` can follow a placeholder that another one follows:
+/// not `%`, a digit or `A`-`F`, the characters of a percent-encoded byte.
+fn separates(c: char) -> bool {
+    !matches!(c, '%' | '0'..='9' | 'A'..='F')
+}
+
+/// A placeholder as the user wrote it.
+fn written(segment: &Segment) -> String {
+    match segment {
+        Segment::Text(text) => text.clone(),
+        Segment::Placeholder(parts) => format!("{{{}}}", parts.join(".")),
+        Segment::Pointer(pointer) => format!("{{{pointer}}}"),
+    }
 }
 
 fn placeholder(inner: &str) -> Result<Vec<String>, String> {
@@ -163,5 +217,18 @@ mod tests {
         assert!(segments("{ a }").unwrap_err().contains("not a field path"));
         assert!(segments("{a..b}").unwrap_err().contains("not a field path"));
         assert!(segments("{a-b}").unwrap_err().contains("not a field path"));
+    }
+
+    #[test]
+    fn placeholders_need_a_separator_an_encoded_value_cannot_contain() {
+        assert!(segments("{a}{b}").unwrap_err().contains("nothing between the placeholders"));
+        assert!(segments("x{a}{/b}y").unwrap_err().contains("nothing between"));
+        for bad in ["{a}%{b}", "{a}1{b}", "{a}Fx{b}", "{a}:{b}A{c}"] {
+            assert!(segments(bad).unwrap_err().contains("can't start with `%`"), "{bad}");
+        }
+        // Fine: text after the last placeholder, and separators of any other start.
+        for good in ["{a}1", "{a}%", "{a}:{b}1", "{a}a{b}", "{a}f{b}", "{a}{{{b}", "{a}→{b}"] {
+            assert!(segments(good).is_ok(), "{good}");
+        }
     }
 }

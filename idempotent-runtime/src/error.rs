@@ -239,6 +239,18 @@ pub enum KeyError {
         /// What was (or was not) there.
         why: crate::payload::Unusable,
     },
+    /// A placeholder of a hand-driven [`KeyBuilder`](crate::KeyBuilder) is followed by
+    /// another one without text between them, or with text that starts with `%`, a
+    /// digit or `A`–`F`: different values could then render the same key. The
+    /// `#[idempotent]` macro rejects such templates at compile time.
+    #[error(
+        "placeholder `{{{placeholder}}}` must be separated from the next one by text that \
+         does not start with `%`, a digit or `A`-`F`"
+    )]
+    Unseparated {
+        /// The placeholder before the missing or unusable separator.
+        placeholder: &'static str,
+    },
     /// The namespace is empty or contains `:`.
     #[error("namespace `{namespace}` must be non-empty and must not contain `:`")]
     InvalidNamespace {

@@ -95,10 +95,53 @@ impl fmt::Debug for Key {
 /// key.field("order_id", &42);
 /// assert_eq!(key.finish().unwrap().as_bytes(), b"orders:order:42");
 /// ```
+///
+/// # Distinct values, distinct keys
+///
+/// A placeholder's value is written as it is, unless another placeholder follows it.
+/// Then `%` and the first character of the text between the two are percent-encoded
+/// in the value, as their UTF-8 bytes in upper-case hex (`%25`, `%3A`), so a value
+/// can't run into the next one: with `"{from}:{to}"`, the transfers `("a:b", "c")`
+/// and `("a", "b:c")` render `a%3Ab:c` and `a:b:c`. Plain ids, numbers and UUIDs
+/// (with any separator they don't contain), and the value of the last placeholder,
+/// are never changed, so keys stay readable.
+///
+/// For this to hold, two placeholders need text between them that does not start
+/// with `%`, a digit or `A`–`F` (the characters an encoded value is made of); the
+/// `#[idempotent]` macro checks templates at compile time, and a builder driven by
+/// hand fails with [`KeyError::Unseparated`].
+///
+/// ```
+/// use idempotent_runtime::KeyBuilder;
+///
+/// let render = |from: &str, to: &str| {
+///     let mut key = KeyBuilder::new("transfers");
+///     key.field("from", from);
+///     key.text(":");
+///     key.field("to", to);
+///     key.finish().unwrap()
+/// };
+/// assert_eq!(render("a:b", "c").as_bytes(), b"transfers:a%3Ab:c");
+/// assert_eq!(render("a", "b:c").as_bytes(), b"transfers:a:b:c");
+/// assert_eq!(render("100%", "c").as_bytes(), b"transfers:100%25:c");
+/// ```
 pub struct KeyBuilder {
     buf: String,
     namespace_len: usize,
     error: Option<KeyError>,
+    /// The last placeholder's value, until the next placeholder says whether it
+    /// needs encoding.
+    open: Option<Open>,
+}
+
+/// A placeholder's value already written to the buffer.
+struct Open {
+    /// Where the value starts and ends in the buffer.
+    start: usize,
+    end: usize,
+    placeholder: &'static str,
+    /// The first character of the text written after the value.
+    stop: Option<char>,
 }
 
 impl KeyBuilder {
@@ -107,41 +150,86 @@ impl KeyBuilder {
         let mut buf = String::with_capacity(namespace.len() + 32);
         buf.push_str(namespace);
         buf.push(':');
-        KeyBuilder { buf, namespace_len: namespace.len(), error: None }
+        KeyBuilder { buf, namespace_len: namespace.len(), error: None, open: None }
     }
 
     /// Appends literal text from the template.
     pub fn text(&mut self, text: &str) {
+        if let Some(open) = &mut self.open {
+            open.stop = open.stop.or_else(|| text.chars().next());
+        }
         self.buf.push_str(text);
     }
 
-    /// Appends a placeholder's value, rendered with `Display`. A value that renders
-    /// empty makes the key fail with [`KeyError::EmptyPlaceholder`]: an empty part
-    /// would let different messages share a key.
+    /// Appends a placeholder's value, rendered with `Display` (and encoded as the
+    /// type's docs say when another placeholder follows). A value that renders empty
+    /// makes the key fail with [`KeyError::EmptyPlaceholder`]: an empty part would let
+    /// different messages share a key.
     pub fn field<D: Display + ?Sized>(&mut self, placeholder: &'static str, value: &D) {
-        let before = self.buf.len();
+        self.seal();
+        let start = self.buf.len();
         // Writing to a `String` only fails if `Display` itself fails; the empty check
         // below then reports it.
         let _ = write!(self.buf, "{value}");
-        if self.buf.len() == before && self.error.is_none() {
-            self.error = Some(KeyError::EmptyPlaceholder { placeholder });
-        }
+        self.opened(placeholder, start);
     }
 
     /// Appends the value at a JSON `pointer` (RFC 6901) of `document`: a string as it
-    /// is, a number canonically (`1` and `1.0` both render `1`). A payload that is not
-    /// JSON, or a pointer to nothing, `null`, `""`, a boolean, an object or an array,
-    /// makes the key fail: the handler does not run and the message is dead-lettered.
+    /// is, a number canonically (`1` and `1.0` both render `1`), encoded like a
+    /// [`field`](KeyBuilder::field). A payload that is not JSON, or a pointer to
+    /// nothing, `null`, `""`, a boolean, an object or an array, makes the key fail:
+    /// the handler does not run and the message is dead-lettered.
     pub fn pointer(&mut self, pointer: &'static str, document: &Document<'_>) {
         if self.error.is_some() {
             return;
         }
-        self.error = match document.value() {
-            Err(reason) => Some(KeyError::NotJson { pointer, reason: reason.to_owned() }),
-            Ok(value) => render(value, pointer, &mut self.buf)
-                .err()
-                .map(|why| KeyError::Pointer { pointer, why }),
+        self.seal();
+        let start = self.buf.len();
+        match document.value() {
+            Err(reason) => {
+                self.error = Some(KeyError::NotJson { pointer, reason: reason.to_owned() });
+            }
+            Ok(value) => match render(value, pointer, &mut self.buf) {
+                Err(why) => self.error = Some(KeyError::Pointer { pointer, why }),
+                Ok(()) => self.opened(pointer, start),
+            },
+        }
+    }
+
+    /// Records the value written since `start` as the open one.
+    fn opened(&mut self, placeholder: &'static str, start: usize) {
+        if self.buf.len() == start && self.error.is_none() {
+            self.error = Some(KeyError::EmptyPlaceholder { placeholder });
+        }
+        self.open = Some(Open { start, end: self.buf.len(), placeholder, stop: None });
+    }
+
+    /// Another placeholder follows the open value: percent-encode `%` and the
+    /// separator's first character in it.
+    fn seal(&mut self) {
+        let Some(open) = self.open.take() else { return };
+        let Some(stop) = open.stop.filter(|&c| separates(c)) else {
+            if self.error.is_none() {
+                self.error = Some(KeyError::Unseparated { placeholder: open.placeholder });
+            }
+            return;
         };
+        let value = &self.buf[open.start..open.end];
+        if !value.contains(['%', stop]) {
+            return;
+        }
+        let tail = self.buf.split_off(open.start);
+        let (value, rest) = tail.split_at(open.end - open.start);
+        for c in value.chars() {
+            if c == '%' || c == stop {
+                for byte in c.encode_utf8(&mut [0; 4]).bytes() {
+                    let _ = write!(self.buf, "%{byte:02X}");
+                }
+            } else {
+                self.buf.push(c);
+            }
+        }
+        self.buf.push_str(rest);
     }
 
     /// The key, or the first error met while rendering it.
@@ -151,6 +239,13 @@ impl KeyBuilder {
             None => Key::checked(self.buf.into_bytes(), self.namespace_len),
         }
     }
+}
+
+/// Whether text starting with `c` can separate two placeholders: an encoded value
+/// never contains `c`, so the first `c` after a value ends it. `%` and upper-case hex
+/// digits are what encoded bytes are made of.
+fn separates(c: char) -> bool {
+    !matches!(c, '%' | '0'..='9' | 'A'..='F')
 }
 
 #[cfg(test)]
@@ -185,5 +280,182 @@ mod tests {
     fn display_escapes_control_and_non_ascii_bytes() {
         let k = Key::new("ns", b"a\nb\xff").unwrap();
         assert_eq!(k.to_string(), "ns:a\\nb\\xff");
+    }
+}
+
+/// Distinct placeholder values never render the same key, whatever the template and
+/// whatever a producer puts in a field.
+#[cfg(test)]
+mod distinct {
+    use proptest::prelude::*;
+    use serde_json::{Value, json};
+
+    use super::{KeyBuilder, separates};
+    use crate::Document;
+
+    /// `prefix {v0} separators[0] {v1} ... {vn} suffix`; each placeholder is a typed
+    /// field or a JSON pointer.
+    #[derive(Debug, Clone)]
+    struct Template {
+        prefix: String,
+        separators: Vec<String>,
+        suffix: String,
+        pointers: Vec<bool>,
+    }
+
+    const POINTERS: [&str; 4] = ["/p0", "/p1", "/p2", "/p3"];
+
+    /// Characters that break naive keys: separators, escapes, braces, hex digits,
+    /// control and non-ASCII characters, and anything else.
+    fn tricky() -> impl Strategy<Value = char> {
+        prop_oneof![
+            4 => prop::sample::select(vec![
+                ':', '/', '|', '-', '.', '%', '\\', '{', '}', 'a', 'A', 'F', '2', '5', '3',
+                '\n', '\0', '\u{7f}', 'é', '→', ' ', '~',
+            ]),
+            1 => any::<char>(),
+        ]
+    }
+
+    fn text(len: std::ops::Range<usize>) -> impl Strategy<Value = String> {
+        prop::collection::vec(tricky(), len).prop_map(|cs| cs.into_iter().collect())
+    }
+
+    fn template() -> impl Strategy<Value = Template> {
+        let separator = text(1..4)
+            .prop_filter("a usable separator", |s| s.chars().next().is_some_and(separates));
+        (text(0..3), prop::collection::vec(separator, 0..4), text(0..3))
+            .prop_flat_map(|(prefix, separators, suffix)| {
+                let n = separators.len() + 1;
+                (Just((prefix, separators, suffix)), prop::collection::vec(any::<bool>(), n))
+            })
+            .prop_map(|((prefix, separators, suffix), pointers)| Template {
+                prefix,
+                separators,
+                suffix,
+                pointers,
+            })
+    }
+
+    fn values(n: usize) -> impl Strategy<Value = Vec<String>> {
+        prop::collection::vec(text(1..6), n)
+    }
+
+    fn render(t: &Template, values: &[String]) -> Vec<u8> {
+        let document: Value = (values.iter().enumerate())
+            .map(|(i, v)| (format!("p{i}"), json!(v)))
+            .collect::<serde_json::Map<_, _>>()
+            .into();
+        let document = Document::of(&document);
+        let mut key = KeyBuilder::new("ns");
+        key.text(&t.prefix);
+        for (i, value) in values.iter().enumerate() {
+            if t.pointers[i] {
+                key.pointer(POINTERS[i], &document);
+            } else {
+                key.field("field", value);
+            }
+            if let Some(separator) = t.separators.get(i) {
+                key.text(separator);
+            }
+        }
+        key.text(&t.suffix);
+        key.finish().unwrap().id().to_vec()
+    }
+
+    /// Reads the values back from a key: each value but the last ends at the first
+    /// occurrence of its separator's first character, and is percent-decoded; the
+    /// last is what remains before the suffix, as it is.
+    fn parse(t: &Template, id: &[u8]) -> Option<Vec<String>> {
+        let mut rest = std::str::from_utf8(id).ok()?.strip_prefix(t.prefix.as_str())?;
+        rest = rest.strip_suffix(t.suffix.as_str())?;
+        let mut values = Vec::new();
+        for separator in &t.separators {
+            let end = rest.find(separator.chars().next()?)?;
+            values.push(percent_decode(&rest[..end])?);
+            rest = rest[end..].strip_prefix(separator.as_str())?;
+        }
+        values.push(rest.to_owned());
+        Some(values)
+    }
+
+    fn percent_decode(encoded: &str) -> Option<String> {
+        let mut bytes = Vec::new();
+        let mut chunks = encoded.split('%');
+        bytes.extend_from_slice(chunks.next()?.as_bytes());
+        for chunk in chunks {
+            bytes.push(u8::from_str_radix(chunk.get(..2)?, 16).ok()?);
+            bytes.extend_from_slice(chunk[2..].as_bytes());
+        }
+        String::from_utf8(bytes).ok()
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(4096))]
+
+        /// The values can be read back from the key, so no two tuples share one.
+        #[test]
+        fn a_key_determines_its_values(
+            (t, values) in template().prop_flat_map(|t| {
+                let n = t.separators.len() + 1;
+                (Just(t), values(n))
+            })
+        ) {
+            let id = render(&t, &values);
+            prop_assert_eq!(parse(&t, &id), Some(values));
+        }
+
+        /// Moving text across a separator, the classic collision, changes the key.
+        #[test]
+        fn shifting_a_separator_between_values_changes_the_key(
+            (t, x, y, z) in template()
+                .prop_filter("two placeholders", |t| !t.separators.is_empty())
+                .prop_flat_map(|t| (Just(t), text(1..4), text(1..4), text(1..4)))
+        ) {
+            let sep = &t.separators[0];
+            let rest: Vec<String> = vec!["r".to_owned(); t.separators.len() - 1];
+            let left = [vec![format!("{x}{sep}{y}"), z.clone()], rest.clone()].concat();
+            let right = [vec![x.clone(), format!("{y}{sep}{z}")], rest].concat();
+            prop_assert_ne!(render(&t, &left), render(&t, &right));
+        }
+
+        /// Two random tuples: different tuples, different keys.
+        #[test]
+        fn distinct_tuples_distinct_keys(
+            (t, a, b) in template().prop_flat_map(|t| {
+                let n = t.separators.len() + 1;
+                (Just(t), values(n), values(n))
+            })
+        ) {
+            prop_assert_eq!(render(&t, &a) == render(&t, &b), a == b);
+        }
+    }
+
+    #[test]
+    fn plain_values_render_as_they_are() {
+        let t = Template {
+            prefix: "order:".into(),
+            separators: vec![":".into(), "-".into()],
+            suffix: String::new(),
+            pointers: vec![false, true, false],
+        };
+        let uuid = "67e55044-10b1-426f-9247-bb680e5fe0c8".to_owned();
+        let id = render(&t, &["tenant_7".into(), "42".into(), uuid.clone()]);
+        assert_eq!(id, format!("order:tenant_7:42-{uuid}").into_bytes());
+    }
+
+    #[test]
+    fn a_hand_driven_builder_without_separator_fails() {
+        for separator in ["", "%", "1", "A"] {
+            let mut key = KeyBuilder::new("ns");
+            key.field("a", "x");
+            key.text(separator);
+            key.field("b", "y");
+            assert_eq!(
+                key.finish(),
+                Err(crate::KeyError::Unseparated { placeholder: "a" }),
+                "{separator:?}"
+            );
+        }
     }
 }
