@@ -1,10 +1,17 @@
 //! Make message consumers safe under at-least-once delivery.
 //!
-//! Brokers redeliver. `#[idempotent]` turns an `async fn` handler into one whose
-//! effect happens once per key: it renders the key from the message, claims it in a
-//! [`Store`] (one round trip), runs the body only if the claim was won (renewing the
-//! claim's lease while it runs), then records the result: DONE, released for a retry,
-//! or FAILED for good with an alert.
+//! Brokers redeliver: after a restart, a rebalance or a lost ack, the same message
+//! comes again, and a handler that is not idempotent charges twice. `#[idempotent]`
+//! makes an `async fn` handler's effect happen once per key, and tells the consumer
+//! whether to ack, retry or dead-letter each delivery.
+//!
+//! A call renders the key from the message, claims it in a [`Store`] (one round
+//! trip), runs the body only if the claim was won (renewing the claim's lease while it
+//! runs), then records the result: DONE, released for a retry, or FAILED for good with
+//! an alert. The key is marked done only *after* the body succeeded, so a consumer
+//! that crashes mid-handler never loses the message.
+//!
+//! # Quickstart
 //!
 //! ```
 //! use idempotent::{Classify, Disposition, DispositionExt, MemoryStore, Outcome, idempotent};
@@ -35,16 +42,42 @@
 //! let again = charge(OrderPlaced { order_id: 7, amount_cents: 500 }).await;
 //! assert_eq!(again.as_ref().unwrap(), &Outcome::Duplicate);
 //! assert_eq!(again.disposition(), Disposition::Ack);
+//! let refused = charge(OrderPlaced { order_id: 8, amount_cents: -1 }).await;
+//! assert_eq!(refused.disposition(), Disposition::DeadLetter);
 //! # }
 //! ```
+//!
+//! The repository's `examples/quickstart.rs` (`cargo run --example quickstart`) runs
+//! a simulated broker with duplicates, a crash mid-handler, a retry and a terminal
+//! error through one handler.
 //!
 //! The rewritten function returns `Result<Outcome<T>, idempotent::Error<E>>` where the
 //! handler returned `Result<T, E>` (or `Result<Outcome<T>, Error<Infallible>>` where it
 //! returned a plain `T`). The return type must be spelled `Result<T, E>` or a
 //! one-argument alias such as `io::Result<T>`; any other type is a value of an
 //! infallible handler. `E` must implement [`Classify`](trait@Classify) (or pass
-//! `classify = path`) and `Display` (alerts carry the rendered error). [`DispositionExt::disposition`] on that result says whether
-//! to ack, retry or dead-letter the delivery.
+//! `classify = path`) and `Display` (alerts carry the rendered error).
+//! [`DispositionExt::disposition`] on that result says whether to ack, retry or
+//! dead-letter the delivery; [`Outcome`] and [`Error`] say what happened.
+//!
+//! # Keys
+//!
+//! `key = "order:{order_id}"` names what identifies a message. Placeholders read a
+//! field path of the message (`{order.id}`, checked at compile time), another
+//! argument (`{tenant}`), the receiver (`{self.region}`), or a JSON pointer into the
+//! message's [`Payload`] (`{/order/id}`, read at run time). Records are kept per
+//! `namespace` (by default the function's name), so `order:7` of two handlers are two
+//! keys.
+//!
+//! Distinct values always render distinct keys, whatever a producer puts in a field.
+//! A value is written as it is unless another placeholder follows it; then `%` and
+//! the first character of the separator between the two are percent-encoded in it
+//! (`%25`, `%3A`). With `key = "{from}:{to}"`, `("a:b", "c")` renders `a%3Ab:c` and
+//! `("a", "b:c")` renders `a:b:c`. Plain ids, numbers and UUIDs render unchanged. So
+//! that this holds, two placeholders need a separator that does not start with `%`,
+//! a digit or `A`–`F`; the macro checks it. `key_fn = path` returns the whole id, used
+//! as it is: a function that joins several values must keep them apart itself. See
+//! [`KeyBuilder`] for the rule and [`MAX_KEY_LEN`] for the length limit.
 //!
 //! # Arguments
 //!
@@ -67,6 +100,60 @@
 //! Mistakes are compile errors pointing at the argument: unknown or repeated
 //! arguments, `ttl = 0`, `lease` > `ttl`, a template without placeholders, a field the
 //! message does not have.
+//!
+//! # Choosing a store
+//!
+//! | store | feature | use it for |
+//! | --- | --- | --- |
+//! | [`MemoryStore`] | (none) | tests, the quickstart, a single consumer process whose duplicates all reach it |
+//! | `RedisStore` | `redis` (`redis-tls` for `rediss://`) | consumers on several machines; standalone Redis or Redis Cluster; one atomic script per transition |
+//! | `PostgresStore` | `postgres` | records beside the business data: with `transactional`, the handler's writes and DONE commit in one transaction (an exactly-once effect) |
+//! | your own | (none) | implement [`Store`] and run the behaviour suite (`store_suite!`, feature `testing`) |
+//!
+//! Name the store per handler with `store = expr` (any expression, which may use the
+//! arguments: `store = self.store`), or once per process:
+//!
+//! ```
+//! # #[tokio::main(flavor = "current_thread")] async fn main() {
+//! idempotent::set_default_store(idempotent::MemoryStore::new()).unwrap();
+//! # }
+//! ```
+//!
+//! Without either, calls fail with [`StoreError::NotConfigured`]: there is never a
+//! silent in-memory fallback.
+//!
+//! # Wiring a broker
+//!
+//! A handler's result says what to tell the broker. The loops in `consume` (one
+//! feature each) read deliveries, call the handler and settle each by its
+//! [`Disposition`]; the handler's future resolves only after the record is written,
+//! so nothing is acked before it:
+//!
+//! | broker | feature | loop |
+//! | --- | --- | --- |
+//! | Redis Streams | `redis-streams` | `consume::redis_streams::StreamConsumer` |
+//! | RabbitMQ (lapin) | `rabbitmq` | `consume::rabbitmq::RabbitConsumer` |
+//! | NATS JetStream (async-nats) | `nats` | `consume::nats::NatsConsumer` |
+//! | Kafka (rdkafka) | `kafka` | `consume::kafka::KafkaConsumer` |
+//!
+//! The messages they hand over implement [`Payload`], so `{/json/pointer}` keys read
+//! their bodies. With any other client, settle by hand:
+//!
+//! ```
+//! use idempotent::{Disposition, DispositionExt, Error, Outcome};
+//!
+//! # enum Broker { Ack, Requeue, DeadLetter }
+//! fn settle(result: &Result<Outcome<()>, Error<std::io::Error>>) -> Broker {
+//!     match result.disposition() {
+//!         Disposition::Ack => Broker::Ack,
+//!         Disposition::Retry => Broker::Requeue,
+//!         Disposition::DeadLetter => Broker::DeadLetter,
+//!     }
+//! }
+//! ```
+//!
+//! Each loop's documentation has its example; the repository's
+//! `integration/examples/` has a runnable program per broker.
 //!
 //! # Record life cycle
 //!
@@ -92,25 +179,33 @@
 //! # What the macro expands to
 //!
 //! ```ignore
-//! #[idempotent(key = "order:{order_id}", ttl = 600)]
-//! async fn process(msg: OrderPlaced) -> Result<Receipt, PayError> { body }
+//! #[idempotent(key = "order:{order_id}:{customer.id}", ttl = 600)]
+//! async fn process_order(msg: OrderPlaced) -> Result<u64, PayError> { body }
 //! ```
 //!
-//! becomes, give or take hygiene:
+//! becomes, give or take hygiene and a never-taken `return` that lets rustc report
+//! type errors against your own code:
 //!
 //! ```ignore
-//! async fn process(msg: OrderPlaced)
-//!     -> Result<idempotent::Outcome<Receipt>, idempotent::Error<PayError>>
+//! async fn process_order(msg: OrderPlaced)
+//!     -> Result<idempotent::Outcome<u64>, idempotent::Error<PayError>>
 //! {
-//!     let mut key = idempotent::__private::KeyBuilder::new("process");
-//!     key.text("order:");
-//!     key.field("order_id", &msg.order_id);
-//!     let key = key.finish();
+//!     let key = {
+//!         let mut key = idempotent::__private::KeyBuilder::new("process_order");
+//!         key.text("order:");
+//!         key.field("order_id", &msg.order_id);
+//!         key.text(":");
+//!         key.field("customer.id", &msg.customer.id);
+//!         key.finish()
+//!     };
+//!     let call = idempotent::__private::Call::new(
+//!         Spec::new(Duration::from_millis(600_000), Duration::from_millis(30_000), 5),
+//!         key,
+//!     );
 //!     let store = &idempotent::__private::DefaultStore;
 //!     idempotent::__private::run(
-//!         Spec::new(Duration::from_millis(600_000), Duration::from_millis(30_000), 5),
+//!         call,
 //!         store,
-//!         key,
 //!         <PayError as idempotent::Classify>::class,
 //!         idempotent::__private::process_sink,
 //!         async { body },
@@ -119,13 +214,22 @@
 //! }
 //! ```
 //!
-//! `cargo expand --example quickstart` shows the real thing.
+//! Everything else (claim, lease renewal, recording, alerts) is ordinary code in
+//! `idempotent-runtime`. `cargo expand --example quickstart` shows a real expansion;
+//! the repository keeps reviewed snapshots in `integration/tests/expand/`.
 //!
-//! # Runtime
+//! # Features and Rust versions
 //!
+//! The crate without features needs Rust 1.85. The integrations follow the current
+//! major of the client you bring (so that you can hand over your own pool, channel or
+//! client), and need what that client needs: `postgres` (sqlx 0.9) Rust 1.94, `nats`
+//! (async-nats 0.51) 1.89, `rabbitmq` (lapin 4) 1.88; `redis` and `redis-streams`
+//! (redis 1.x) work from 1.85, where Cargo's MSRV-aware resolver picks a `redis` 1.x
+//! that builds there; `kafka` (rdkafka 0.39, bundled librdkafka) needs a C compiler.
 //! Handlers run on Tokio: lease renewal uses Tokio's timer.
 
-#![warn(missing_docs)]
+#![deny(missing_docs)]
+#![cfg_attr(docsrs, feature(doc_cfg))]
 
 /// Makes an `async fn` message handler idempotent; see the [crate documentation](crate)
 /// for the arguments.
@@ -166,15 +270,18 @@ pub use idempotent_runtime::{
 };
 
 #[cfg(feature = "testing")]
+#[cfg_attr(docsrs, doc(cfg(feature = "testing")))]
 pub use idempotent_runtime::{store_suite, testing};
 
 /// Re-exported for `Payload` messages and `cache = true` values.
 pub use idempotent_runtime::serde_json;
 
 #[cfg(feature = "redis")]
+#[cfg_attr(docsrs, doc(cfg(feature = "redis")))]
 pub use idempotent_runtime::{RedisStore, redis_store};
 
 #[cfg(feature = "postgres")]
+#[cfg_attr(docsrs, doc(cfg(feature = "postgres")))]
 pub use idempotent_runtime::{PostgresStore, postgres_store};
 
 #[cfg(any(
@@ -183,6 +290,15 @@ pub use idempotent_runtime::{PostgresStore, postgres_store};
     feature = "nats",
     feature = "kafka"
 ))]
+#[cfg_attr(
+    docsrs,
+    doc(cfg(any(
+        feature = "redis-streams",
+        feature = "rabbitmq",
+        feature = "nats",
+        feature = "kafka"
+    )))
+)]
 pub use idempotent_runtime::consume;
 
 /// What the `#[idempotent]` expansion calls. Not a public API: it changes without

@@ -127,16 +127,14 @@ async fn key_fn_output_is_used_as_it_is() {
 /// existed still match; only a value holding `%` or its separator is encoded.
 #[tokio::test]
 async fn plain_values_keep_their_keys() {
-    typed(transfer("acct-1", "acct-2")).await.unwrap();
-    typed(transfer("50%:off", "x:y")).await.unwrap();
+    assert!(typed(transfer("acct-1", "acct-2")).await.unwrap().is_processed());
+    assert!(typed(transfer("50%:off", "x:y")).await.unwrap().is_processed());
     let done = |id: &str| {
         let key = Key::new("typed", id).unwrap();
-        async move { STORE.claim(&key, testing_lease(), testing_lease(), None).await.unwrap() }
+        async move { STORE.claim(&key, LEASE, LEASE, None).await.unwrap() }
     };
     assert_eq!(done("acct-1:acct-2").await, idempotent::Claim::Done);
     assert_eq!(done("50%25%3Aoff:x:y").await, idempotent::Claim::Done);
 }
 
-fn testing_lease() -> std::time::Duration {
-    std::time::Duration::from_secs(30)
-}
+const LEASE: std::time::Duration = std::time::Duration::from_secs(30);

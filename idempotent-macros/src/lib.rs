@@ -3,9 +3,11 @@
 //! whose documentation describes every argument; this crate only parses, checks and
 //! generates a call into `idempotent::__private`.
 //!
-//! Layout: [`args`] collects the attribute's arguments, [`template`] parses key
-//! templates, [`expand`] checks the whole and writes the function, [`classify`]
+//! Layout: `args.rs` collects the attribute's arguments, `template.rs` parses key
+//! templates, `expand.rs` checks the whole and writes the function, `classify.rs`
 //! derives `Classify`.
+
+#![deny(missing_docs)]
 
 mod args;
 mod classify;

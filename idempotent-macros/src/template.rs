@@ -88,11 +88,12 @@ fn check_separators(segments: &[Segment]) -> Result<(), String> {
         match next {
             Segment::Text(text) => match text.chars().next() {
                 Some(first) if !separates(first) => {
+                    let after = segments.get(i + 2).map(written).unwrap_or_default();
                     return Err(format!(
                         "the separator after `{value}` starts with `{first}`: a value followed \
                          by a separator is percent-encoded (`%3A`), so the separator can't \
                          start with `%`, a digit or `A`-`F`, or two messages could render the \
-                         same key; start it with another character, e.g. `{value}:{text}`"
+                         same key; start it with another character, e.g. `{value}:{text}{after}`"
                     ));
                 }
                 _ => {}

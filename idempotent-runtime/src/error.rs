@@ -9,6 +9,24 @@ use crate::{Disposition, ErrorClass};
 ///
 /// Each case says what happened to the record and, through
 /// [`disposition`](Error::disposition), what the consumer should do with the message.
+///
+/// ```
+/// use idempotent_runtime::{Disposition, Error};
+///
+/// fn report(error: &Error<std::io::Error>) -> String {
+///     match error {
+///         Error::Retryable { error, attempt } => format!("attempt {attempt} failed: {error}"),
+///         Error::Terminal { exhausted: true, .. } => "gave up after max_attempts".into(),
+///         Error::Store { handler_ran: true, .. } => "ran, but the record was not written".into(),
+///         other => other.to_string(),
+///     }
+/// }
+///
+/// let error = Error::Retryable { error: std::io::ErrorKind::TimedOut.into(), attempt: 2 };
+/// assert_eq!(error.disposition(), Disposition::Retry);
+/// assert!(error.is_retryable());
+/// assert_eq!(report(&error), "attempt 2 failed: timed out");
+/// ```
 #[derive(Debug)]
 #[non_exhaustive]
 pub enum Error<E> {

@@ -385,7 +385,7 @@ mod distinct {
         bytes.extend_from_slice(chunks.next()?.as_bytes());
         for chunk in chunks {
             bytes.push(u8::from_str_radix(chunk.get(..2)?, 16).ok()?);
-            bytes.extend_from_slice(chunk[2..].as_bytes());
+            bytes.extend_from_slice(&chunk.as_bytes()[2..]);
         }
         String::from_utf8(bytes).ok()
     }

@@ -12,11 +12,21 @@
 //! * [`Classify`] / [`ErrorClass`]: which handler errors are worth a retry.
 //! * [`alert`]: where terminal failures are reported.
 
-#![warn(missing_docs)]
+#![deny(missing_docs)]
+#![cfg_attr(docsrs, feature(doc_cfg))]
 
 pub mod alert;
 mod classify;
 #[cfg(any(feature = "redis-streams", feature = "rabbitmq", feature = "nats", feature = "kafka"))]
+#[cfg_attr(
+    docsrs,
+    doc(cfg(any(
+        feature = "redis-streams",
+        feature = "rabbitmq",
+        feature = "nats",
+        feature = "kafka"
+    )))
+)]
 pub mod consume;
 mod error;
 pub mod execute;
@@ -25,8 +35,10 @@ mod outcome;
 mod payload;
 pub mod store;
 #[cfg(feature = "testing")]
+#[cfg_attr(docsrs, doc(cfg(feature = "testing")))]
 pub mod testing;
 #[cfg(feature = "postgres")]
+#[cfg_attr(docsrs, doc(cfg(feature = "postgres")))]
 pub mod transactional;
 
 pub use alert::{AlertSink, TerminalEvent, set_alert_sink};
@@ -37,8 +49,10 @@ pub use outcome::{Disposition, DispositionExt, Outcome};
 pub use payload::{Document, Fingerprint, Payload, PayloadRef, Unusable};
 pub use store::memory::MemoryStore;
 #[cfg(feature = "postgres")]
+#[cfg_attr(docsrs, doc(cfg(feature = "postgres")))]
 pub use store::postgres::{self as postgres_store, PostgresStore};
 #[cfg(feature = "redis")]
+#[cfg_attr(docsrs, doc(cfg(feature = "redis")))]
 pub use store::redis::{self as redis_store, RedisStore};
 pub use store::{
     AlreadySet, AsStore, Claim, DefaultStore, Store, Token, Transition, claim_retention,

@@ -1,6 +1,6 @@
 //! The behaviour every [`Store`] must show, as a suite any implementation can run.
 //!
-//! Each case drives a store through [`run`](crate::execute::run), the function the
+//! Each case drives a store through [`run`], the function the
 //! `#[idempotent]` expansion calls, and checks one row of the record life cycle (or a
 //! concurrency or fencing property). Cases use fresh random namespaces, so they can
 //! share one store and one server, and run in parallel. Timing cases use real time

@@ -6,7 +6,7 @@
 //!   already done (the duplicate path); on one thread, and with two threads
 //!   contending on one store.
 //!
-//! `cargo bench --bench overhead`
+//! `cargo bench -p idempotent-integration --bench overhead`
 
 use std::hint::black_box;
 use std::sync::atomic::{AtomicU64, Ordering};

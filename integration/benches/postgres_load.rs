@@ -9,7 +9,7 @@
 //! run their handler and one waits on the other's row lock; (b) pays a claim
 //! statement for blocking them up front.
 //!
-//! `cargo bench --bench postgres_load --features postgres` (PostgreSQL at
+//! `cargo bench -p idempotent-integration --bench postgres_load` (PostgreSQL at
 //! `DATABASE_URL`, default `postgres://postgres@127.0.0.1:5432/test`).
 
 mod load;

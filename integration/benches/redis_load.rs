@@ -3,7 +3,7 @@
 //! concurrency 1 and 64 over one multiplexed connection; and the p99 latency of a
 //! claim against a plain `SET NX PX` on the same connection.
 //!
-//! `cargo bench --bench redis_load --features redis` (Redis at `REDIS_URL`, default
+//! `cargo bench -p idempotent-integration --bench redis_load` (Redis at `REDIS_URL`, default
 //! `redis://127.0.0.1:6379`).
 
 mod load;

@@ -2,7 +2,7 @@
 //! them from a durable consumer, acks only after the outcome is recorded, naks
 //! retryable failures with a delay and terminates failed orders after copying them to
 //! a dead-letter subject.
-//! `cargo run --example nats --features nats` (NATS with JetStream at `NATS_URL`,
+//! `cargo run -p idempotent-integration --example nats` (NATS with JetStream at `NATS_URL`,
 //! default `127.0.0.1:4222`).
 
 use async_nats::jetstream::{self, consumer::pull, stream};

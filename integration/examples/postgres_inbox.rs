@@ -5,7 +5,7 @@
 //! of debit 2 is cut off after its UPDATE, as a crash would. The balance update and
 //! the DONE record commit in one transaction, so a cut-off run leaves neither.
 //!
-//! `DATABASE_URL=postgres://postgres@127.0.0.1:5432/test cargo run --example postgres_inbox --features postgres`
+//! `DATABASE_URL=postgres://postgres@127.0.0.1:5432/test cargo run -p idempotent-integration --example postgres_inbox`
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;

@@ -1,7 +1,7 @@
 //! An idempotent RabbitMQ consumer: publishes orders (every fifth twice, as a retrying
 //! producer would), consumes them with manual acks sent only after the outcome is
 //! recorded, rejects failed orders to a dead-letter queue.
-//! `cargo run --example rabbitmq --features rabbitmq` (RabbitMQ at `AMQP_URL`, default
+//! `cargo run -p idempotent-integration --example rabbitmq` (RabbitMQ at `AMQP_URL`, default
 //! `amqp://guest:guest@127.0.0.1:5672/%2f`).
 
 use idempotent::consume::rabbitmq::{RabbitConsumer, RabbitMessage, declare_with_dead_letter};

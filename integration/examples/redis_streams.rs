@@ -1,7 +1,7 @@
 //! An idempotent Redis Streams consumer: publishes orders (every fifth twice), consumes
 //! them acking only after the outcome is recorded, prints entries/s. `--plain`: the
 //! same loop without `#[idempotent]`. Needs Redis at `REDIS_URL` (default local).
-//! `cargo run --release --example redis_streams --features redis-streams [-- --plain]`
+//! `cargo run --release -p idempotent-integration --example redis_streams [-- --plain]`
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Instant;

@@ -53,6 +53,34 @@ impl Payload for KafkaMessage {
 ///
 /// A member that dies without committing leaves its records to the member that gets
 /// its partitions, from the last committed offset.
+///
+/// ```no_run
+/// # async fn demo() -> Result<(), rdkafka::error::KafkaError> {
+/// use idempotent_runtime::consume::kafka::{KafkaConsumer, KafkaMessage};
+/// use idempotent_runtime::{Error, Outcome};
+/// use rdkafka::ClientConfig;
+/// use rdkafka::consumer::{Consumer, StreamConsumer};
+/// use rdkafka::producer::FutureProducer;
+///
+/// async fn handle(msg: KafkaMessage) -> Result<Outcome<()>, Error<std::io::Error>> {
+///     // an #[idempotent] function
+///     # let _ = msg; Ok(Outcome::Processed(()))
+/// }
+///
+/// let consumer: StreamConsumer = ClientConfig::new()
+///     .set("bootstrap.servers", "127.0.0.1:9092")
+///     .set("group.id", "billing")
+///     .set("enable.auto.commit", "false")
+///     .create()?;
+/// consumer.subscribe(&["orders"])?;
+/// let producer: FutureProducer =
+///     ClientConfig::new().set("bootstrap.servers", "127.0.0.1:9092").create()?;
+/// let mut consumer = KafkaConsumer::new(consumer, producer, "orders.dead");
+/// loop {
+///     consumer.next(handle).await?;
+/// }
+/// # }
+/// ```
 pub struct KafkaConsumer {
     consumer: StreamConsumer,
     producer: FutureProducer,

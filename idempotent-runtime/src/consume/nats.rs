@@ -39,6 +39,28 @@ impl Payload for NatsMessage {
 /// dead-letter subject, if one is set, then `+TERM` so the server never redelivers it.
 /// A consumer that dies without acking has its messages redelivered after the
 /// consumer's `ack_wait`.
+///
+/// ```no_run
+/// # async fn demo(client: async_nats::Client) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+/// use async_nats::jetstream::{self, consumer::pull};
+/// use idempotent_runtime::consume::nats::{NatsConsumer, NatsMessage};
+/// use idempotent_runtime::{Error, Outcome};
+///
+/// async fn handle(msg: NatsMessage) -> Result<Outcome<()>, Error<std::io::Error>> {
+///     // an #[idempotent] function
+///     # let _ = msg; Ok(Outcome::Processed(()))
+/// }
+///
+/// let js = jetstream::new(client);
+/// let stream = js.get_stream("ORDERS").await?;
+/// let durable = pull::Config { durable_name: Some("billing".into()), ..Default::default() };
+/// let pull = stream.get_or_create_consumer("billing", durable).await?;
+/// let mut consumer = NatsConsumer::new(&pull, js).await?.dead_letter_subject("orders.dead");
+/// while let Some(settled) = consumer.next(handle).await {
+///     settled?;
+/// }
+/// # Ok(()) }
+/// ```
 pub struct NatsConsumer {
     messages: Messages,
     jetstream: jetstream::Context,

@@ -76,6 +76,28 @@ fn name(name: &str) -> lapin::Result<lapin::types::ShortString> {
 /// DeadLetter → `basic.reject` without requeue, which the queue's dead-letter exchange
 /// routes on (see [`declare_with_dead_letter`]). Unacked deliveries of a consumer whose
 /// connection dies are redelivered by the broker.
+///
+/// ```no_run
+/// # async fn demo() -> lapin::Result<()> {
+/// use idempotent_runtime::consume::rabbitmq::{RabbitConsumer, RabbitMessage, declare_with_dead_letter};
+/// use idempotent_runtime::{Error, Outcome};
+/// use lapin::{Connection, ConnectionProperties};
+///
+/// async fn handle(msg: RabbitMessage) -> Result<Outcome<()>, Error<std::io::Error>> {
+///     // an #[idempotent] function
+///     # let _ = msg; Ok(Outcome::Processed(()))
+/// }
+///
+/// let url = "amqp://guest:guest@127.0.0.1:5672/%2f";
+/// let connection = Connection::connect(url, ConnectionProperties::default()).await?;
+/// let channel = connection.create_channel().await?;
+/// declare_with_dead_letter(&channel, "orders").await?;
+/// let mut consumer = RabbitConsumer::new(&channel, "orders", "billing-1").await?;
+/// while let Some(settled) = consumer.next(handle).await {
+///     settled?;
+/// }
+/// # Ok(()) }
+/// ```
 pub struct RabbitConsumer {
     consumer: lapin::Consumer,
     retry_delay: std::time::Duration,

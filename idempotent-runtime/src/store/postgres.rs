@@ -35,6 +35,23 @@ pub use super::sql::{DEFAULT_TABLE, PURGE_BATCH, PURGE_EVERY_CLAIMS};
 /// Create the table with [`migrate`](PostgresStore::migrate) (idempotent, safe to run
 /// from several processes at once) or apply [`migration_sql`](PostgresStore::migration_sql)
 /// with your own migration tool.
+///
+/// ```no_run
+/// # async fn demo() -> Result<(), Box<dyn std::error::Error>> {
+/// use idempotent_runtime::PostgresStore;
+///
+/// let store = PostgresStore::connect("postgres://postgres@127.0.0.1:5432/app").await?;
+/// store.migrate().await?;
+///
+/// // Or on a pool of your own, in a table of your choice:
+/// let pool = sqlx::postgres::PgPoolOptions::new()
+///     .max_connections(20)
+///     .connect("postgres://postgres@127.0.0.1:5432/app")
+///     .await?;
+/// let store = PostgresStore::from_pool(pool).with_table("billing.idempotency")?;
+/// println!("{}", store.migration_sql());
+/// # Ok(()) }
+/// ```
 #[derive(Clone)]
 pub struct PostgresStore {
     pool: PgPool,
