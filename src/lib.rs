@@ -264,9 +264,10 @@ pub use idempotent_macros::Classify;
 
 pub use idempotent_runtime::{
     AlertSink, AlreadySet, Claim, Classify, DefaultStore, Disposition, DispositionExt, Document,
-    Error, ErrorClass, Fingerprint, Key, KeyBuilder, KeyError, MAX_KEY_LEN, MemoryStore, Outcome,
-    Payload, PayloadRef, Store, StoreError, TerminalEvent, Token, Transition, Unusable, alert,
-    async_trait, claim_retention, default_store, set_alert_sink, set_default_store,
+    Error, ErrorClass, Fingerprint, Key, KeyBuilder, KeyError, MAX_KEY_LEN, MAX_STORED_ID_LEN,
+    MemoryStore, Outcome, Payload, PayloadRef, Store, StoreError, TerminalEvent, Token, Transition,
+    Unusable, alert, async_trait, claim_retention, default_store, set_alert_sink,
+    set_default_store,
 };
 
 #[cfg(feature = "testing")]

@@ -119,6 +119,7 @@ impl<E> Error<E> {
     /// What the consumer should tell its broker.
     pub fn disposition(&self) -> Disposition {
         match self {
+            Error::Store { error, .. } if error.is_permanent() => Disposition::DeadLetter,
             Error::Retryable { .. }
             | Error::Panicked { .. }
             | Error::Store { .. }
@@ -187,9 +188,12 @@ impl<E: fmt::Display> fmt::Display for Error<E> {
                 write!(f, "handler panicked on attempt {attempt} (key released): {message}")
             }
             Error::Key(e) => write!(f, "idempotency key could not be built: {e}"),
-            Error::Store { error, handler_ran: false } => {
-                write!(f, "store failed; the handler took no effect: {error}")
-            }
+            Error::Store { error, handler_ran: false } => write!(
+                f,
+                "store failed; no effect of the handler stands without its DONE record (it \
+                 did not run, or its transaction was rolled back or committed together with \
+                 DONE): {error}"
+            ),
             Error::Store { error, handler_ran: true } => write!(
                 f,
                 "store failed after the handler ran; its result was not recorded: {error}"
@@ -227,6 +231,13 @@ pub enum KeyError {
     /// A placeholder rendered as the empty string.
     #[error("placeholder `{{{placeholder}}}` is empty")]
     EmptyPlaceholder {
+        /// The placeholder as written in the template.
+        placeholder: &'static str,
+    },
+    /// A placeholder's `Display` implementation returned an error (perhaps after
+    /// writing part of the value).
+    #[error("placeholder `{{{placeholder}}}` could not be rendered: its `Display` failed")]
+    Unprintable {
         /// The placeholder as written in the template.
         placeholder: &'static str,
     },
@@ -292,11 +303,41 @@ pub enum StoreError {
     /// The backend answered with something this store cannot interpret.
     #[error("store returned an unexpected reply: {0}")]
     Protocol(String),
+    /// The backend refused this record and will refuse it again: retrying can't help
+    /// (a value it cannot hold, a key of another type or format under the store's
+    /// name). The call's disposition is dead-letter, so the message is kept aside
+    /// instead of being retried for ever.
+    #[error("store refused the record: {0}")]
+    Rejected(#[source] Box<dyn std::error::Error + Send + Sync>),
 }
 
 impl StoreError {
     /// Wraps a backend error.
     pub fn unavailable(error: impl Into<Box<dyn std::error::Error + Send + Sync>>) -> Self {
         StoreError::Unavailable(error.into())
+    }
+
+    /// Whether retrying can never succeed ([`StoreError::Rejected`]).
+    pub fn is_permanent(&self) -> bool {
+        matches!(self, StoreError::Rejected(_))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_store_error_that_retrying_cannot_fix_is_dead_lettered() {
+        let refused = Error::<std::io::Error>::Store {
+            error: StoreError::Rejected("index row too large".into()),
+            handler_ran: false,
+        };
+        assert_eq!(refused.disposition(), Disposition::DeadLetter);
+        let down = Error::<std::io::Error>::Store {
+            error: StoreError::unavailable("connection refused"),
+            handler_ran: false,
+        };
+        assert_eq!(down.disposition(), Disposition::Retry);
     }
 }

@@ -209,8 +209,17 @@ where
 
 /// How a handler's effects are made to stick together with its DONE record.
 pub(crate) trait Completion<S: ?Sized> {
-    /// Gets ready for the body, once the claim is won.
-    async fn begin(&mut self, store: &S) -> Result<(), StoreError>;
+    /// Claims the key.
+    async fn claim(
+        &self,
+        store: &S,
+        key: &Key,
+        spec: &Spec,
+        fingerprint: Option<&Fingerprint>,
+    ) -> Result<Claim, StoreError>;
+    /// Gets ready for the body, once the claim is won; the claim is held, without
+    /// renewal, while this runs, so it must finish well within `spec.lease()`.
+    async fn begin(&mut self, store: &S, spec: &Spec) -> Result<(), StoreError>;
     /// Records DONE with `result` and keeps the body's effects.
     async fn complete(
         self,
@@ -239,7 +248,17 @@ pub(crate) enum Completed {
 struct StoreCompletion;
 
 impl<S: Store + ?Sized> Completion<S> for StoreCompletion {
-    async fn begin(&mut self, _: &S) -> Result<(), StoreError> {
+    async fn claim(
+        &self,
+        store: &S,
+        key: &Key,
+        spec: &Spec,
+        fingerprint: Option<&Fingerprint>,
+    ) -> Result<Claim, StoreError> {
+        store.claim(key, spec.lease, spec.ttl, fingerprint).await
+    }
+
+    async fn begin(&mut self, _: &S, _: &Spec) -> Result<(), StoreError> {
         Ok(())
     }
 
@@ -282,7 +301,7 @@ where
 {
     let Call { spec, key, fingerprint, cache } = call;
     let key = key.map_err(Error::Key)?;
-    let answer = store.claim(&key, spec.lease, spec.ttl, fingerprint.as_ref()).await;
+    let answer = completion.claim(store, &key, &spec, fingerprint.as_ref()).await;
     let (token, attempt) = match answer {
         Ok(Claim::Won { token, attempt }) => (token, attempt),
         Ok(Claim::Done) => return Ok(Outcome::Duplicate),
@@ -315,7 +334,7 @@ where
     // Armed until the result is recorded: a call dropped at any await from here on
     // gives the key back (a no-op once the record is DONE or FAILED).
     let abandon = AbandonOnDrop { store, key: &key, token, armed: true };
-    if let Err(error) = completion.begin(store).await {
+    if let Err(error) = completion.begin(store, &spec).await {
         claim.release().await;
         abandon.disarm();
         return Err(Error::Store { error, handler_ran: false });

@@ -1,14 +1,21 @@
 //! Idempotency keys: a namespace and an id, rendered once per call.
 
+use std::borrow::Cow;
 use std::fmt::{self, Display, Write as _};
+
+use sha2::{Digest, Sha256};
 
 use crate::KeyError;
 use crate::payload::{Document, render};
 
 /// The longest key accepted, in bytes, namespace and separator included: 64 KiB.
-/// Longer keys are a [`KeyError::TooLong`]; stores with tighter limits hash
-/// long keys themselves.
+/// Longer keys are a [`KeyError::TooLong`]. The Redis and PostgreSQL stores keep ids
+/// over [`MAX_STORED_ID_LEN`] bytes under their SHA-256 ([`Key::stored`]).
 pub const MAX_KEY_LEN: usize = 64 * 1024;
+
+/// Ids longer than this many bytes are kept under their SHA-256 by the stores that
+/// persist records (Redis, PostgreSQL): see [`Key::stored`].
+pub const MAX_STORED_ID_LEN: usize = 512;
 
 /// An idempotency key: `namespace:id`.
 ///
@@ -65,9 +72,37 @@ impl Key {
         &self.bytes[self.namespace_len + 1..]
     }
 
-    /// `namespace:id`, the form stores index by.
+    /// `namespace:id`.
     pub fn as_bytes(&self) -> &[u8] {
         &self.bytes
+    }
+
+    /// The key as the Redis and PostgreSQL stores keep it: `namespace:id`, or, for an
+    /// id longer than [`MAX_STORED_ID_LEN`] bytes or one that itself starts with
+    /// `sha256:`, `namespace:sha256:` and the id's SHA-256 in 64 lower-case hex digits.
+    /// So an id of any length fits every store's limits (a PostgreSQL index entry holds
+    /// about 2.7 KB), and a raw id can never take a hashed one's place.
+    ///
+    /// ```
+    /// use idempotent_runtime::Key;
+    ///
+    /// assert_eq!(&*Key::new("orders", "42").unwrap().stored(), b"orders:42");
+    /// let long = Key::new("orders", "x".repeat(600)).unwrap();
+    /// assert!(long.stored().starts_with(b"orders:sha256:"));
+    /// assert_eq!(long.stored().len(), "orders:sha256:".len() + 64);
+    /// ```
+    pub fn stored(&self) -> Cow<'_, [u8]> {
+        let id = self.id();
+        if id.len() <= MAX_STORED_ID_LEN && !id.starts_with(b"sha256:") {
+            return Cow::Borrowed(&self.bytes);
+        }
+        let mut out = Vec::with_capacity(self.namespace_len + 1 + 7 + 64);
+        out.extend_from_slice(&self.bytes[..=self.namespace_len]);
+        out.extend_from_slice(b"sha256:");
+        for byte in Sha256::digest(id) {
+            out.extend_from_slice(format!("{byte:02x}").as_bytes());
+        }
+        Cow::Owned(out)
     }
 }
 
@@ -163,14 +198,18 @@ impl KeyBuilder {
 
     /// Appends a placeholder's value, rendered with `Display` (and encoded as the
     /// type's docs say when another placeholder follows). A value that renders empty
-    /// makes the key fail with [`KeyError::EmptyPlaceholder`]: an empty part would let
-    /// different messages share a key.
+    /// makes the key fail with [`KeyError::EmptyPlaceholder`] (an empty part would let
+    /// different messages share a key), and one whose `Display` fails with
+    /// [`KeyError::Unprintable`].
     pub fn field<D: Display + ?Sized>(&mut self, placeholder: &'static str, value: &D) {
         self.seal();
         let start = self.buf.len();
-        // Writing to a `String` only fails if `Display` itself fails; the empty check
-        // below then reports it.
-        let _ = write!(self.buf, "{value}");
+        // Writing to a `String` only fails if `Display` itself fails, possibly after
+        // writing part of the value: a part could match another value, so it is an
+        // error, not a key.
+        if write!(self.buf, "{value}").is_err() && self.error.is_none() {
+            self.error = Some(KeyError::Unprintable { placeholder });
+        }
         self.opened(placeholder, start);
     }
 
@@ -274,6 +313,20 @@ mod tests {
         let long = "x".repeat(MAX_KEY_LEN);
         assert!(matches!(Key::new("ns", &long), Err(KeyError::TooLong { .. })));
         assert_eq!(Key::new("ns", ""), Err(KeyError::Empty));
+    }
+
+    #[test]
+    fn a_display_that_fails_part_way_is_an_error() {
+        struct Half;
+        impl Display for Half {
+            fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str("abc")?;
+                Err(fmt::Error)
+            }
+        }
+        let mut k = KeyBuilder::new("ns");
+        k.field("half", &Half);
+        assert_eq!(k.finish(), Err(KeyError::Unprintable { placeholder: "half" }));
     }
 
     #[test]

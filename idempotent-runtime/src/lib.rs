@@ -44,7 +44,7 @@ pub mod transactional;
 pub use alert::{AlertSink, TerminalEvent, set_alert_sink};
 pub use classify::{Classify, ErrorClass};
 pub use error::{Error, KeyError, StoreError};
-pub use key::{Key, KeyBuilder, MAX_KEY_LEN};
+pub use key::{Key, KeyBuilder, MAX_KEY_LEN, MAX_STORED_ID_LEN};
 pub use outcome::{Disposition, DispositionExt, Outcome};
 pub use payload::{Document, Fingerprint, Payload, PayloadRef, Unusable};
 pub use store::memory::MemoryStore;

@@ -18,8 +18,12 @@ use std::time::Duration;
 use sqlx::{Postgres, Transaction};
 
 use crate::alert::TerminalEvent;
-use crate::execute::{Call, Completed, Completion, ResultCache, run_with};
-use crate::{Error, ErrorClass, Key, Outcome, PostgresStore, StoreError, Token, Transition};
+use crate::execute::{Call, Completed, Completion, ResultCache, Spec, run_with};
+use crate::store::postgres::ClaimCommit;
+use crate::{
+    Claim, Error, ErrorClass, Fingerprint, Key, Outcome, PostgresStore, StoreError, Token,
+    Transition,
+};
 
 /// Runs `body` at most once per key, with its writes and the DONE record in one
 /// PostgreSQL transaction. The `#[idempotent(transactional)]` expansion calls it.
@@ -155,8 +159,35 @@ struct InTransaction<'a> {
 }
 
 impl Completion<PostgresStore> for InTransaction<'_> {
-    async fn begin(&mut self, store: &PostgresStore) -> Result<(), StoreError> {
-        let tx = store.pool().begin().await.map_err(StoreError::unavailable)?;
+    /// The claim's commit need not wait for its WAL flush here: a claim lost in a
+    /// server crash only makes the DONE update find nothing, which rolls the handler's
+    /// writes back, and the DONE commit flushes the claim anyway.
+    async fn claim(
+        &self,
+        store: &PostgresStore,
+        key: &Key,
+        spec: &Spec,
+        fingerprint: Option<&Fingerprint>,
+    ) -> Result<Claim, StoreError> {
+        store.claim_with(key, spec.lease(), spec.ttl(), fingerprint, ClaimCommit::Deferred).await
+    }
+
+    /// Begins at READ COMMITTED whatever the database's default: lease renewals update
+    /// the record row from other connections while the handler runs, and a snapshot
+    /// isolation level would refuse the DONE update for it (SQLSTATE 40001). Waits
+    /// for a pooled connection at most a third of the lease, the renewal period.
+    async fn begin(&mut self, store: &PostgresStore, spec: &Spec) -> Result<(), StoreError> {
+        let begin = store.pool().begin_with("BEGIN ISOLATION LEVEL READ COMMITTED");
+        let tx = match tokio::time::timeout(spec.lease() / 3, begin).await {
+            Ok(tx) => tx.map_err(StoreError::unavailable)?,
+            Err(_) => {
+                return Err(StoreError::unavailable(format!(
+                    "no pooled connection for the handler's transaction within {:?} (a third \
+                     of the lease): the pool is smaller than the handlers in flight",
+                    spec.lease() / 3
+                )));
+            }
+        };
         self.slot.put(tx);
         Ok(())
     }

@@ -1,6 +1,6 @@
 //! `PostgresStore`: records in a PostgreSQL table.
 
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use async_trait::async_trait;
@@ -16,18 +16,34 @@ pub use super::sql::{DEFAULT_TABLE, PURGE_BATCH, PURGE_EVERY_CLAIMS};
 ///
 /// A record is one row keyed by `namespace:id` (bytea) holding state, attempts,
 /// claim token, lease deadline, expiry, fingerprint and cached result; times are the
-/// database's `now()`, so consumers' clocks need not agree.
+/// database's clock (`clock_timestamp()`, never a transaction's start), so consumers'
+/// clocks need not agree. Ids over [`MAX_STORED_ID_LEN`](crate::MAX_STORED_ID_LEN)
+/// bytes are stored under their SHA-256 ([`Key::stored`]), so a key of any length fits
+/// the index.
 ///
 /// * A claim is one statement: `INSERT ... ON CONFLICT (key) DO UPDATE ... WHERE` the
 ///   record is expired, released, or in progress with a lapsed lease (and its
 ///   fingerprint agrees) `RETURNING`, with the existing record read in the same
 ///   statement when the claim is refused.
-/// * The claim commits asynchronously (`synchronous_commit = off`, for that statement
-///   only): losing it in a server crash is the same as its lease running out, and
-///   the DONE commit, which is synchronous, makes it durable too. This halves the
-///   WAL flushes per message.
+/// * The claim commits durably. (In `transactional` mode it commits without waiting
+///   for its WAL flush, which is safe there: a claim lost in a server crash makes the
+///   DONE update find nothing, which rolls the handler's writes back, and the DONE
+///   commit flushes the claim anyway. For a plain handler, whose effects happen
+///   elsewhere, a lost claim would make `complete` fail and the redelivery run the
+///   handler again.)
 /// * Complete, release, fail and renew are one `UPDATE ... WHERE key = $1 AND state =
 ///   'P' AND token = $2`: a consumer whose lease was taken over changes nothing.
+/// * Every statement waits at most [`LOCK_TIMEOUT`] for a locked record row (one left
+///   locked by a consumer whose host died between its DONE update and COMMIT): a claim
+///   then answers [`Claim::InProgress`] instead of blocking.
+/// * Lease renewals run on [`RENEWAL_CONNECTIONS`] connections of their own, opened
+///   with the pool's options on first use, so they never wait behind the handlers'
+///   transactions; size the pool for the handlers in flight (in `transactional` mode
+///   each holds one connection for its whole run) plus a few for claims. A
+///   transactional handler that gets no connection within a third of its lease is
+///   released and retried rather than run on a lapsing claim.
+/// * Errors that retrying can't fix (a value the database refuses) are
+///   [`StoreError::Rejected`]: the message is dead-lettered, not retried for ever.
 /// * Expired rows are deleted in the background, [`PURGE_BATCH`] at a time, every
 ///   [`PURGE_EVERY_CLAIMS`] claims; or run [`purge_expired`](PostgresStore::purge_expired)
 ///   (or its SQL) from a scheduler.
@@ -55,15 +71,23 @@ pub use super::sql::{DEFAULT_TABLE, PURGE_BATCH, PURGE_EVERY_CLAIMS};
 #[derive(Clone)]
 pub struct PostgresStore {
     pool: PgPool,
+    /// Lease renewals' own connections, opened on first use with the pool's options:
+    /// a renewal must not wait behind the handlers whose leases it keeps, which hold
+    /// the pool's connections for their transactions.
+    renewals: Arc<OnceLock<PgPool>>,
     sql: Arc<Sql>,
     purge: Arc<PurgeSchedule>,
 }
+
+/// How many connections lease renewals keep, beside the pool.
+pub const RENEWAL_CONNECTIONS: u32 = 2;
 
 /// The statements, built once per table. `SqlStr`s made from an `Arc<str>` clone
 /// without copying the text.
 struct Sql {
     table: String,
     claim: SqlStr,
+    claim_deferred: SqlStr,
     finish: SqlStr,
     release: SqlStr,
     renew: SqlStr,
@@ -91,7 +115,12 @@ impl PostgresStore {
 
     /// Uses a pool configured by the caller.
     pub fn from_pool(pool: PgPool) -> PostgresStore {
-        PostgresStore { pool, sql: Arc::new(Sql::new(DEFAULT_TABLE)), purge: Arc::default() }
+        PostgresStore {
+            pool,
+            renewals: Arc::default(),
+            sql: Arc::new(Sql::new(DEFAULT_TABLE)),
+            purge: Arc::default(),
+        }
     }
 
     /// Keeps records in `table` (`name` or `schema.name`; letters, digits and `_`).
@@ -151,6 +180,65 @@ CREATE INDEX IF NOT EXISTS {index}_expires_at ON {t} (expires_at);"
         Ok(done.rows_affected())
     }
 
+    /// The renewals' pool, created on first use (inside the runtime).
+    fn renewal_pool(&self) -> &PgPool {
+        self.renewals.get_or_init(|| {
+            PgPoolOptions::new()
+                .max_connections(RENEWAL_CONNECTIONS)
+                .acquire_timeout(Duration::from_secs(5))
+                .connect_lazy_with((*self.pool.connect_options()).clone())
+        })
+    }
+
+    /// [`Store::claim`], with the claim's commit durable or deferred.
+    pub(crate) async fn claim_with(
+        &self,
+        key: &Key,
+        lease: Duration,
+        ttl: Duration,
+        fingerprint: Option<&Fingerprint>,
+        commit: ClaimCommit,
+    ) -> Result<Claim, StoreError> {
+        self.maybe_purge();
+        let retention = crate::claim_retention(lease, ttl);
+        let sql = match commit {
+            ClaimCommit::Durable => &self.sql.claim,
+            ClaimCommit::Deferred => &self.sql.claim_deferred,
+        };
+        let stored = key.stored();
+        // A record inserted by a transaction that committed after this statement's
+        // snapshot can make the statement see nothing at all: ask again.
+        for _ in 0..10 {
+            let token = Token::random();
+            let row: Result<Option<ClaimRow>, _> = sqlx::query_as(sql.clone())
+                .bind(stored.as_ref())
+                .bind(token.as_u128().to_be_bytes().as_slice())
+                .bind(millis(lease))
+                .bind(millis(retention))
+                .bind(fingerprint.map(|f| f.as_bytes().as_slice()))
+                .fetch_optional(&self.pool)
+                .await;
+            let row = match row {
+                Ok(row) => row,
+                // The record row stayed locked for `LOCK_TIMEOUT`: another consumer is
+                // committing it, or died while it was.
+                Err(e) if sql::is_lock_timeout(&e) => return Ok(Claim::InProgress),
+                Err(e) => return Err(sql::store_error(e)),
+            };
+            let Some((outcome, attempts, result)) = row else { continue };
+            let attempts = u32::try_from(attempts).unwrap_or(0);
+            return match outcome.as_str() {
+                "W" => Ok(Claim::Won { token, attempt: attempts }),
+                "D" => Ok(result.map_or(Claim::Done, Claim::Cached)),
+                "F" => Ok(Claim::Failed { attempts }),
+                "P" => Ok(Claim::InProgress),
+                "M" => Ok(Claim::Mismatch),
+                other => Err(StoreError::Protocol(format!("claim returned {other:?}"))),
+            };
+        }
+        Err(StoreError::Protocol("claim saw no record after 10 tries".to_owned()))
+    }
+
     /// Records DONE through `conn`, inside the caller's transaction: the record
     /// becomes DONE when, and only if, that transaction commits.
     pub(crate) async fn complete_on(
@@ -174,13 +262,14 @@ CREATE INDEX IF NOT EXISTS {index}_expires_at ON {t} (expires_at);"
         extra: Extra<'_>,
     ) -> Result<Transition, StoreError> {
         let token = token.as_u128().to_be_bytes();
-        let query = sqlx::query(sql.clone()).bind(key.as_bytes()).bind(token.as_slice());
+        let stored = key.stored();
+        let query = sqlx::query(sql.clone()).bind(stored.as_ref()).bind(token.as_slice());
         let query = match extra {
             Extra::None => query,
             Extra::Millis(ms) => query.bind(ms),
             Extra::Finish { state, ttl, result } => query.bind(state).bind(ttl).bind(result),
         };
-        let done = query.execute(on).await.map_err(StoreError::unavailable)?;
+        let done = query.execute(on).await.map_err(sql::store_error)?;
         Ok(if done.rows_affected() == 1 { Transition::Applied } else { Transition::LeaseLost })
     }
 
@@ -203,34 +292,98 @@ fn statement(sql: String) -> SqlStr {
     AssertSqlSafe(std::sync::Arc::<str>::from(sql)).into_sql_str()
 }
 
+/// What a claim statement answers: outcome letter, attempts, cached result.
+type ClaimRow = (String, i32, Option<Vec<u8>>);
+
+/// How long one of the store's statements waits for a row lock before giving up. A
+/// record row stays locked while a handler's transaction commits its DONE update; if
+/// that consumer's host dies in between, its backend can hold the lock until TCP
+/// gives up (hours). A claim that waits this long answers [`Claim::InProgress`]
+/// instead of blocking the consumer.
+pub const LOCK_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// Whether a claim's commit waits for its WAL flush.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub(crate) enum ClaimCommit {
+    /// Durable: a claim is never lost in a server crash. For plain handlers, whose
+    /// effects happen outside PostgreSQL: a lost claim would make `complete` answer
+    /// LeaseLost although the handler ran, and the redelivery would run it again.
+    Durable,
+    /// `synchronous_commit = off` for the claim's statement: in transactional mode a
+    /// claim lost in a crash only makes the DONE update find nothing, which rolls the
+    /// handler's writes back; and the DONE commit flushes the claim anyway.
+    Deferred,
+}
+
 impl Sql {
     fn new(table: &str) -> Sql {
         let t = table;
-        let live = "key = $1 AND state = 'P' AND token = $2 AND expires_at > now()";
+        // Every time is the clock's, not `now()`: inside the handler's transaction
+        // `now()` is the transaction's start, and a handler that ran longer than `ttl`
+        // would commit a DONE record that has already expired.
+        let lock = format!(
+            "set_config('lock_timeout', '{}ms', true) IS NOT NULL",
+            LOCK_TIMEOUT.as_millis()
+        );
+        let live = format!(
+            "key = $1 AND state = 'P' AND token = $2 AND expires_at > clock_timestamp() AND {lock}"
+        );
         Sql {
             table: t.to_owned(),
-            // $1 key, $2 token, $3 lease ms, $4 retention ms, $5 fingerprint.
-            // The claim commits without waiting for its WAL flush (`synchronous_commit`
-            // off for this statement only): a claim lost in a server crash is a lease
-            // that ran out, and the DONE commit that follows flushes it anyway.
-            claim: statement(format!(
-                "WITH claimed AS (
+            claim: statement(claim_sql(t, ClaimCommit::Durable)),
+            claim_deferred: statement(claim_sql(t, ClaimCommit::Deferred)),
+            // $3 state (D or F), $4 ttl ms, $5 result.
+            finish: statement(format!(
+                "UPDATE {t} SET state = $3::\"char\", token = NULL, lease_until = NULL,
+    expires_at = clock_timestamp() + $4 * interval '1 millisecond', result = $5 WHERE {live}"
+            )),
+            release: statement(format!(
+                "UPDATE {t} SET state = 'R', token = NULL, lease_until = NULL WHERE {live}"
+            )),
+            // $3 lease ms.
+            renew: statement(format!(
+                "UPDATE {t} SET lease_until = clock_timestamp() + $3 * interval '1 millisecond',
+    expires_at = GREATEST(expires_at, clock_timestamp() + $3 * interval '1 millisecond')
+    WHERE {live}"
+            )),
+            purge: statement(format!(
+                "DELETE FROM {t} WHERE key IN
+    (SELECT key FROM {t} WHERE expires_at <= clock_timestamp() LIMIT $1
+     FOR UPDATE SKIP LOCKED)"
+            )),
+        }
+    }
+}
+
+/// The claim: one statement that inserts or takes over the record, or reads why it
+/// can't. $1 key, $2 token, $3 lease ms, $4 retention ms, $5 fingerprint. The settings
+/// are made before the insert, so they hold when it waits for a locked row.
+fn claim_sql(t: &str, commit: ClaimCommit) -> String {
+    let deferred = match commit {
+        ClaimCommit::Durable => "",
+        ClaimCommit::Deferred => ", set_config('synchronous_commit', 'off', true)",
+    };
+    let lock_ms = LOCK_TIMEOUT.as_millis();
+    format!(
+        "WITH settings AS MATERIALIZED (
+    SELECT set_config('lock_timeout', '{lock_ms}ms', true){deferred}
+), claimed AS (
     INSERT INTO {t} AS r (key, state, attempts, token, lease_until, expires_at, fingerprint)
-    VALUES ($1, 'P', CASE set_config('synchronous_commit', 'off', true) WHEN 'off' THEN 1 END,
-            $2, now() + $3 * interval '1 millisecond',
-            now() + $4 * interval '1 millisecond', $5)
+    SELECT $1, 'P', 1, $2, clock_timestamp() + $3 * interval '1 millisecond',
+           clock_timestamp() + $4 * interval '1 millisecond', $5
+    FROM settings
     ON CONFLICT (key) DO UPDATE SET
         state = 'P',
-        attempts = CASE WHEN r.expires_at <= now() THEN 1 ELSE r.attempts + 1 END,
+        attempts = CASE WHEN r.expires_at <= clock_timestamp() THEN 1 ELSE r.attempts + 1 END,
         token = EXCLUDED.token,
         lease_until = EXCLUDED.lease_until,
-        expires_at = CASE WHEN r.expires_at <= now() THEN EXCLUDED.expires_at
+        expires_at = CASE WHEN r.expires_at <= clock_timestamp() THEN EXCLUDED.expires_at
                           ELSE GREATEST(r.expires_at, EXCLUDED.expires_at) END,
-        fingerprint = CASE WHEN r.expires_at <= now() THEN EXCLUDED.fingerprint
+        fingerprint = CASE WHEN r.expires_at <= clock_timestamp() THEN EXCLUDED.fingerprint
                            ELSE COALESCE(r.fingerprint, EXCLUDED.fingerprint) END,
         result = NULL
-    WHERE r.expires_at <= now()
-       OR ((r.state = 'R' OR (r.state = 'P' AND r.lease_until <= now()))
+    WHERE r.expires_at <= clock_timestamp()
+       OR ((r.state = 'R' OR (r.state = 'P' AND r.lease_until <= clock_timestamp()))
            AND (r.fingerprint IS NULL OR EXCLUDED.fingerprint IS NULL
                 OR r.fingerprint = EXCLUDED.fingerprint))
     RETURNING 'W'::text AS outcome, r.attempts, NULL::bytea AS result
@@ -244,27 +397,8 @@ SELECT CASE WHEN r.fingerprint IS NOT NULL AND $5::bytea IS NOT NULL
             ELSE 'P' END,
        r.attempts, r.result
 FROM {t} r
-WHERE r.key = $1 AND r.expires_at > now() AND NOT EXISTS (SELECT 1 FROM claimed)"
-            )),
-            // $3 state (D or F), $4 ttl ms, $5 result.
-            finish: statement(format!(
-                "UPDATE {t} SET state = $3::\"char\", token = NULL, lease_until = NULL,
-    expires_at = now() + $4 * interval '1 millisecond', result = $5 WHERE {live}"
-            )),
-            release: statement(format!(
-                "UPDATE {t} SET state = 'R', token = NULL, lease_until = NULL WHERE {live}"
-            )),
-            // $3 lease ms.
-            renew: statement(format!(
-                "UPDATE {t} SET lease_until = now() + $3 * interval '1 millisecond',
-    expires_at = GREATEST(expires_at, now() + $3 * interval '1 millisecond') WHERE {live}"
-            )),
-            purge: statement(format!(
-                "DELETE FROM {t} WHERE key IN
-    (SELECT key FROM {t} WHERE expires_at <= now() LIMIT $1 FOR UPDATE SKIP LOCKED)"
-            )),
-        }
-    }
+WHERE r.key = $1 AND r.expires_at > clock_timestamp() AND NOT EXISTS (SELECT 1 FROM claimed)"
+    )
 }
 
 #[async_trait]
@@ -276,34 +410,7 @@ impl Store for PostgresStore {
         ttl: Duration,
         fingerprint: Option<&Fingerprint>,
     ) -> Result<Claim, StoreError> {
-        self.maybe_purge();
-        let retention = crate::claim_retention(lease, ttl);
-        // A record inserted by a transaction that committed after this statement's
-        // snapshot can make the statement see nothing at all: ask again.
-        for _ in 0..10 {
-            let token = Token::random();
-            let row: Option<(String, i32, Option<Vec<u8>>)> =
-                sqlx::query_as(self.sql.claim.clone())
-                    .bind(key.as_bytes())
-                    .bind(token.as_u128().to_be_bytes().as_slice())
-                    .bind(millis(lease))
-                    .bind(millis(retention))
-                    .bind(fingerprint.map(|f| f.as_bytes().as_slice()))
-                    .fetch_optional(&self.pool)
-                    .await
-                    .map_err(StoreError::unavailable)?;
-            let Some((outcome, attempts, result)) = row else { continue };
-            let attempts = u32::try_from(attempts).unwrap_or(0);
-            return match outcome.as_str() {
-                "W" => Ok(Claim::Won { token, attempt: attempts }),
-                "D" => Ok(result.map_or(Claim::Done, Claim::Cached)),
-                "F" => Ok(Claim::Failed { attempts }),
-                "P" => Ok(Claim::InProgress),
-                "M" => Ok(Claim::Mismatch),
-                other => Err(StoreError::Protocol(format!("claim returned {other:?}"))),
-            };
-        }
-        Err(StoreError::Protocol("claim saw no record after 10 tries".to_owned()))
+        self.claim_with(key, lease, ttl, fingerprint, ClaimCommit::Durable).await
     }
 
     async fn complete(
@@ -332,7 +439,8 @@ impl Store for PostgresStore {
         token: Token,
         lease: Duration,
     ) -> Result<Transition, StoreError> {
-        self.update(&self.pool, &self.sql.renew, key, token, Extra::Millis(millis(lease))).await
+        let extra = Extra::Millis(millis(lease));
+        self.update(self.renewal_pool(), &self.sql.renew, key, token, extra).await
     }
 
     /// Starts the release on the current Tokio runtime and returns at once; without

@@ -7,7 +7,6 @@ use async_trait::async_trait;
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use redis::cluster_async::ClusterConnection;
 use redis::{IntoConnectionInfo, RedisError, Script};
-use sha2::{Digest, Sha256};
 
 use crate::{Claim, Fingerprint, Key, Store, StoreError, Token, Transition};
 
@@ -15,8 +14,9 @@ use crate::{Claim, Fingerprint, Key, Store, StoreError, Token, Transition};
 pub const DEFAULT_PREFIX: &str = "idempotent";
 /// Ids longer than this many bytes are stored under their SHA-256 instead:
 /// `{prefix}:{namespace}:sha256:{64 hex digits}`. So is any id that itself starts with
-/// `sha256:`, so a raw id can never take a hashed id's place.
-pub const MAX_RAW_ID_LEN: usize = 512;
+/// `sha256:`, so a raw id can never take a hashed id's place. The same rule for every
+/// store: [`Key::stored`].
+pub const MAX_RAW_ID_LEN: usize = crate::key::MAX_STORED_ID_LEN;
 /// How long a command may wait for its reply before failing with a store error.
 pub const DEFAULT_RESPONSE_TIMEOUT: Duration = Duration::from_secs(5);
 /// How long connecting (or reconnecting) may take.
@@ -213,21 +213,11 @@ impl RedisStore {
 
     /// [`redis_key`](RedisStore::redis_key) for a given prefix.
     pub fn redis_key_with(prefix: &str, key: &Key) -> Vec<u8> {
-        let id = key.id();
-        let mut out =
-            Vec::with_capacity(prefix.len() + key.namespace().len() + id.len().min(80) + 2);
+        let stored = key.stored();
+        let mut out = Vec::with_capacity(prefix.len() + 1 + stored.len());
         out.extend_from_slice(prefix.as_bytes());
         out.push(b':');
-        out.extend_from_slice(key.namespace().as_bytes());
-        out.push(b':');
-        if id.len() > MAX_RAW_ID_LEN || id.starts_with(b"sha256:") {
-            out.extend_from_slice(b"sha256:");
-            for byte in Sha256::digest(id) {
-                out.extend_from_slice(format!("{byte:02x}").as_bytes());
-            }
-        } else {
-            out.extend_from_slice(id);
-        }
+        out.extend_from_slice(&stored);
         out
     }
 

@@ -58,6 +58,25 @@ where
     }
 }
 
+/// A database error as a store error: one that retrying the same statement can't fix
+/// (the record can't be stored: program limits, class 54; bad data, class 22) is
+/// [`StoreError::Rejected`], so the message is dead-lettered instead of retried for
+/// ever; anything else is [`StoreError::Unavailable`].
+pub(crate) fn store_error(error: sqlx::Error) -> StoreError {
+    if let sqlx::Error::Database(db) = &error {
+        let code = db.code();
+        if code.as_deref().is_some_and(|c| c.starts_with("54") || c.starts_with("22")) {
+            return StoreError::Rejected(Box::new(error));
+        }
+    }
+    StoreError::unavailable(error)
+}
+
+/// Whether the statement gave up waiting for a row lock (SQLSTATE 55P03).
+pub(crate) fn is_lock_timeout(error: &sqlx::Error) -> bool {
+    matches!(error, sqlx::Error::Database(db) if db.code().as_deref() == Some("55P03"))
+}
+
 /// A duration in whole milliseconds for SQL parameters, at least 1.
 pub(crate) fn millis(d: Duration) -> i64 {
     i64::try_from(d.as_millis()).unwrap_or(i64::MAX).max(1)
