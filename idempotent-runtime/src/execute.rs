@@ -493,7 +493,8 @@ where
     let renew = async {
         loop {
             tokio::time::sleep(period).await;
-            let renewal = claim.store.renew(claim.key, claim.token, claim.spec.lease);
+            let renewal =
+                claim.store.renew(claim.key, claim.token, claim.spec.lease, claim.spec.ttl);
             match tokio::time::timeout(period, renewal).await {
                 Ok(Ok(Transition::Applied)) => {}
                 Ok(Ok(Transition::LeaseLost)) => {

@@ -307,7 +307,7 @@ pub async fn expired_lease_is_fenced<S: Store + ?Sized>(store: &S) {
     };
     assert_eq!(attempt, 2);
     assert_ne!(stale, fresh);
-    assert_eq!(store.renew(&key, stale, LEASE).await.unwrap(), Transition::LeaseLost);
+    assert_eq!(store.renew(&key, stale, LEASE, TTL).await.unwrap(), Transition::LeaseLost);
     assert_eq!(store.release(&key, stale).await.unwrap(), Transition::LeaseLost);
     assert_eq!(store.fail(&key, stale, TTL).await.unwrap(), Transition::LeaseLost);
     assert_eq!(store.complete(&key, stale, TTL, None).await.unwrap(), Transition::LeaseLost);
@@ -336,6 +336,27 @@ pub async fn late_completion_gets_lease_lost<S: Store + ?Sized>(store: &S) {
     assert_eq!(takeover.unwrap(), Outcome::Processed(2));
     assert!(matches!(slow, Err(Error::LeaseLost { attempt: 1 })), "{slow:?}");
     assert_eq!(claim_state(store, &key).await, Claim::Done);
+}
+
+/// A claim renewed past its first retention keeps its record, so a consumer that dies
+/// after a long run leaves its attempt count behind (a poison message that kills long
+/// handlers still reaches `max_attempts`).
+pub async fn renewal_extends_retention<S: Store + ?Sized>(store: &S) {
+    let key = fresh_key("renew-keep");
+    // Kept claim_retention = 600 ms from the claim, unless renewals extend it.
+    let (lease, ttl) = (Duration::from_millis(300), Duration::from_millis(300));
+    let Claim::Won { token, attempt: 1 } = store.claim(&key, lease, ttl, None).await.unwrap()
+    else {
+        panic!("a fresh key is won at attempt 1")
+    };
+    for _ in 0..4 {
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        assert_eq!(store.renew(&key, token, lease, ttl).await.unwrap(), Transition::Applied);
+    }
+    // 800 ms in, past the first retention, the consumer dies; its lease runs out.
+    tokio::time::sleep(lease + Duration::from_millis(150)).await;
+    let claim = store.claim(&key, lease, ttl, None).await.unwrap();
+    assert!(matches!(claim, Claim::Won { attempt: 2, .. }), "attempt count lost: {claim:?}");
 }
 
 /// Renewal keeps a handler that runs longer than its lease in possession.
@@ -565,10 +586,11 @@ impl<S: Store + ?Sized> Store for Flaky<'_, S> {
         key: &Key,
         token: Token,
         lease: Duration,
+        ttl: Duration,
     ) -> Result<Transition, StoreError> {
         self.check(&self.down)?;
         self.check(&self.refuse_renewals)?;
-        self.inner.renew(key, token, lease).await
+        self.inner.renew(key, token, lease, ttl).await
     }
     fn abandon(&self, key: &Key, token: Token) {
         self.inner.abandon(key, token)
@@ -603,6 +625,7 @@ pub const CASES: &[&str] = &[
     "expired_lease_is_fenced",
     "late_completion_gets_lease_lost",
     "renewal_keeps_slow_handler",
+    "renewal_extends_retention",
     "concurrent_same_key_runs_once",
     "payload_mismatch_is_refused",
     "cached_result_is_replayed",
@@ -622,6 +645,7 @@ macro_rules! store_suite {
             unfinished_attempts_are_capped, store_unreachable_at_claim,
             store_fails_after_handler, ttl_expiry_forgets, expired_lease_is_fenced,
             late_completion_gets_lease_lost, renewal_keeps_slow_handler,
+            renewal_extends_retention,
             payload_mismatch_is_refused, cached_result_is_replayed);
         $crate::store_suite!(@shared $make; concurrent_same_key_runs_once, many_keys_each_once);
     };

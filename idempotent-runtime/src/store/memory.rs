@@ -229,11 +229,12 @@ impl Store for MemoryStore {
         key: &Key,
         token: Token,
         lease: Duration,
+        ttl: Duration,
     ) -> Result<Transition, StoreError> {
         Ok(self.transition(key, token, |record, now| {
             let lease_until = now + lease;
             record.state = State::InProgress { token, lease_until };
-            record.expires_at = record.expires_at.max(lease_until);
+            record.expires_at = record.expires_at.max(now + claim_retention(lease, ttl));
         }))
     }
 

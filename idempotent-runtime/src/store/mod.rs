@@ -162,12 +162,16 @@ pub trait Store: Send + Sync {
     /// Marks the claim FAILED, kept for `ttl`.
     async fn fail(&self, key: &Key, token: Token, ttl: Duration) -> Result<Transition, StoreError>;
 
-    /// Extends the claim's lease to `lease` from now.
+    /// Extends the claim's lease to `lease` from now, and keeps the record at least
+    /// [`claim_retention`]`(lease, ttl)` from now, so a handler that has run longer
+    /// than the first claim's retention still leaves its attempt count behind if it
+    /// crashes.
     async fn renew(
         &self,
         key: &Key,
         token: Token,
         lease: Duration,
+        ttl: Duration,
     ) -> Result<Transition, StoreError>;
 
     /// Best-effort release of a claim whose handler future was dropped mid-way. Called
@@ -220,8 +224,8 @@ macro_rules! forward_store {
             async fn fail(&self, key: &Key, token: Token, ttl: Duration) -> Result<Transition, StoreError> {
                 (**self).fail(key, token, ttl).await
             }
-            async fn renew(&self, key: &Key, token: Token, lease: Duration) -> Result<Transition, StoreError> {
-                (**self).renew(key, token, lease).await
+            async fn renew(&self, key: &Key, token: Token, lease: Duration, ttl: Duration) -> Result<Transition, StoreError> {
+                (**self).renew(key, token, lease, ttl).await
             }
             fn abandon(&self, key: &Key, token: Token) {
                 (**self).abandon(key, token)
@@ -297,8 +301,9 @@ impl Store for DefaultStore {
         key: &Key,
         token: Token,
         lease: Duration,
+        ttl: Duration,
     ) -> Result<Transition, StoreError> {
-        self.get()?.renew(key, token, lease).await
+        self.get()?.renew(key, token, lease, ttl).await
     }
     fn abandon(&self, key: &Key, token: Token) {
         if let Ok(store) = self.get() {

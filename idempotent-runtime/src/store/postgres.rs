@@ -180,10 +180,12 @@ CREATE INDEX IF NOT EXISTS {index}_expires_at ON {t} (expires_at);"
         Ok(done.rows_affected())
     }
 
-    /// The renewals' pool, created on first use (inside the runtime).
+    /// The renewals' pool, created on the first claim (inside the runtime), which
+    /// opens its first connection in the background, before the first renewal is due.
     fn renewal_pool(&self) -> &PgPool {
         self.renewals.get_or_init(|| {
             PgPoolOptions::new()
+                .min_connections(1)
                 .max_connections(RENEWAL_CONNECTIONS)
                 .acquire_timeout(Duration::from_secs(5))
                 .connect_lazy_with((*self.pool.connect_options()).clone())
@@ -200,6 +202,7 @@ CREATE INDEX IF NOT EXISTS {index}_expires_at ON {t} (expires_at);"
         commit: ClaimCommit,
     ) -> Result<Claim, StoreError> {
         self.maybe_purge();
+        self.renewal_pool();
         let retention = crate::claim_retention(lease, ttl);
         let sql = match commit {
             ClaimCommit::Durable => &self.sql.claim,
@@ -266,7 +269,7 @@ CREATE INDEX IF NOT EXISTS {index}_expires_at ON {t} (expires_at);"
         let query = sqlx::query(sql.clone()).bind(stored.as_ref()).bind(token.as_slice());
         let query = match extra {
             Extra::None => query,
-            Extra::Millis(ms) => query.bind(ms),
+            Extra::Renew { lease, retention } => query.bind(lease).bind(retention),
             Extra::Finish { state, ttl, result } => query.bind(state).bind(ttl).bind(result),
         };
         let done = query.execute(on).await.map_err(sql::store_error)?;
@@ -283,7 +286,7 @@ CREATE INDEX IF NOT EXISTS {index}_expires_at ON {t} (expires_at);"
 
 enum Extra<'a> {
     None,
-    Millis(i64),
+    Renew { lease: i64, retention: i64 },
     Finish { state: i8, ttl: i64, result: Option<&'a [u8]> },
 }
 
@@ -340,10 +343,10 @@ impl Sql {
             release: statement(format!(
                 "UPDATE {t} SET state = 'R', token = NULL, lease_until = NULL WHERE {live}"
             )),
-            // $3 lease ms.
+            // $3 lease ms, $4 retention ms.
             renew: statement(format!(
                 "UPDATE {t} SET lease_until = clock_timestamp() + $3 * interval '1 millisecond',
-    expires_at = GREATEST(expires_at, clock_timestamp() + $3 * interval '1 millisecond')
+    expires_at = GREATEST(expires_at, clock_timestamp() + $4 * interval '1 millisecond')
     WHERE {live}"
             )),
             purge: statement(format!(
@@ -438,8 +441,10 @@ impl Store for PostgresStore {
         key: &Key,
         token: Token,
         lease: Duration,
+        ttl: Duration,
     ) -> Result<Transition, StoreError> {
-        let extra = Extra::Millis(millis(lease));
+        let retention = millis(crate::claim_retention(lease, ttl));
+        let extra = Extra::Renew { lease: millis(lease), retention };
         self.update(self.renewal_pool(), &self.sql.renew, key, token, extra).await
     }
 

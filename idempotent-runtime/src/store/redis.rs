@@ -73,8 +73,8 @@ redis.call('SET', KEYS[1], 'R ' .. a .. ' 0 - ' .. fp .. ' ', 'KEEPTTL')
 return 1
 ";
 
-/// The renew script. ARGV: token, lease ms. Returns 1 if applied, 0 if the lease was
-/// lost.
+/// The renew script. ARGV: token, lease ms, retention ms (the record is kept at least
+/// that long from now). Returns 1 if applied, 0 if the lease was lost.
 pub const RENEW_SCRIPT: &str = r"
 local s, a, t, fp = string.match(redis.call('GET', KEYS[1]) or '', '^(%u) (%d+) %d+ (%S+) (%S+) ')
 if s ~= 'P' or t ~= ARGV[1] then return 0 end
@@ -83,7 +83,8 @@ now = tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000)
 local lease = tonumber(ARGV[2])
 local deadline = string.format('%.0f', now + lease)
 redis.call('SET', KEYS[1], 'P ' .. a .. ' ' .. deadline .. ' ' .. t .. ' ' .. fp .. ' ', 'KEEPTTL')
-if redis.call('PTTL', KEYS[1]) < lease then redis.call('PEXPIRE', KEYS[1], lease) end
+local keep = tonumber(ARGV[3])
+if redis.call('PTTL', KEYS[1]) < keep then redis.call('PEXPIRE', KEYS[1], keep) end
 return 1
 ";
 
@@ -321,9 +322,11 @@ impl Store for RedisStore {
         key: &Key,
         token: Token,
         lease: Duration,
+        ttl: Duration,
     ) -> Result<Transition, StoreError> {
         let token = token.to_string();
-        self.transition(&SCRIPTS.renew, key, &[token.as_bytes(), &millis(lease)]).await
+        let retention = millis(crate::claim_retention(lease, ttl));
+        self.transition(&SCRIPTS.renew, key, &[token.as_bytes(), &millis(lease), &retention]).await
     }
 
     /// Starts the release on the current Tokio runtime and returns at once; without
