@@ -176,3 +176,49 @@ fn scripts_are_reloaded_after_a_flush() {
         assert_eq!(runs.load(Ordering::SeqCst), 2);
     });
 }
+
+/// The claim ran on the server but its reply was lost on the way back. The claim is
+/// given back, attempt and all: with `max_attempts = 1`, the next delivery runs the
+/// handler instead of finding the key abandoned without it ever having run.
+#[test]
+fn a_lost_claim_reply_gives_the_claim_back() {
+    if !support::have_redis_server() {
+        return;
+    }
+    let server = RedisServer::start();
+    block_on(async {
+        static RUNS: AtomicU32 = AtomicU32::new(0);
+        #[idempotent(key = "order:{order_id}", store = store, lease = 1, max_attempts = 1)]
+        async fn once(msg: Order, store: &RedisStore) -> Result<(), Never> {
+            let _ = msg;
+            RUNS.fetch_add(1, Ordering::SeqCst);
+            Ok(())
+        }
+
+        let proxy = support::LossyProxy::start(server.port).await;
+        let store = RedisStore::connect(proxy.url()).await.unwrap();
+        // Loads the scripts, so that the lost reply is the claim's own.
+        assert_eq!(once(Order { order_id: 1 }, &store).await.unwrap(), Outcome::Processed(()));
+
+        proxy.lose_next_reply();
+        let err = once(Order { order_id: 2 }, &store).await.unwrap_err();
+        assert!(matches!(err, Error::Store { handler_ran: false, .. }), "{err}");
+        assert_eq!(proxy.lost(), 1);
+        let record = server.cli(&["--no-raw", "keys", "*:order:2"]);
+        assert!(record.contains("order:2"), "the claim ran on the server: {record}");
+
+        let deadline = Instant::now() + Duration::from_secs(5);
+        let out = loop {
+            match once(Order { order_id: 2 }, &store).await {
+                Ok(Outcome::InProgress) | Err(Error::Store { handler_ran: false, .. })
+                    if Instant::now() < deadline =>
+                {
+                    tokio::time::sleep(Duration::from_millis(50)).await
+                }
+                other => break other,
+            }
+        };
+        assert!(matches!(out, Ok(Outcome::Processed(()))), "{out:?}");
+        assert_eq!(RUNS.load(Ordering::SeqCst), 2);
+    });
+}

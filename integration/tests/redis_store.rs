@@ -42,6 +42,7 @@ fn cluster_passes_the_store_suite() {
         testing::expired_lease_is_fenced(&store).await;
         testing::late_completion_gets_lease_lost(&store).await;
         testing::renewal_keeps_slow_handler(&store).await;
+        testing::renewal_extends_retention(&store).await;
         let store = Arc::new(store);
         testing::concurrent_same_key_runs_once(store.clone()).await;
         testing::many_keys_each_once(store).await;
@@ -146,4 +147,82 @@ fn awkward_keys_are_distinct_and_deduplicated() {
 fn hex_sha256(bytes: &[u8]) -> String {
     use sha2::Digest;
     sha2::Sha256::digest(bytes).iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// A claim or a completion sent twice with the same token (a Cluster client resends
+/// after a redirect or a dropped connection) answers as the first one did, instead of
+/// reading as another consumer's claim or a lost lease.
+#[test]
+fn the_same_claim_or_completion_sent_twice_answers_as_the_first() {
+    block_on(async {
+        let Some(store) = support::shared_store().await else {
+            return;
+        };
+        let mut conn = store.connection_manager().unwrap().clone();
+        let key = testing::fresh_key("resend");
+        let record = store.redis_key(&key);
+        let token = "0123456789abcdef0123456789abcdef";
+        let claim = redis::Script::new(idempotent::redis_store::CLAIM_SCRIPT);
+        for _ in 0..2 {
+            let reply: (String, u32) = claim
+                .key(&record)
+                .arg(token)
+                .arg(30_000)
+                .arg(60_000)
+                .arg("-")
+                .invoke_async(&mut conn)
+                .await
+                .unwrap();
+            assert_eq!(reply, ("W".to_owned(), 1));
+        }
+        let finish = redis::Script::new(idempotent::redis_store::FINISH_SCRIPT);
+        for _ in 0..2 {
+            let applied: i64 = finish
+                .key(&record)
+                .arg(token)
+                .arg("D")
+                .arg(60_000)
+                .arg("cached")
+                .invoke_async(&mut conn)
+                .await
+                .unwrap();
+            assert_eq!(applied, 1);
+        }
+        let again = store.claim(&key, testing::LEASE, testing::TTL, None).await.unwrap();
+        assert_eq!(again, Claim::Cached(b"cached".to_vec()));
+    });
+}
+
+/// Another program's key under the store's name, or a record in a format this
+/// version can't read, fails the same way every time: the error is permanent and the
+/// message is dead-lettered, not retried for ever.
+#[test]
+fn a_foreign_or_unreadable_record_is_refused_for_good() {
+    block_on(async {
+        let Some(store) = support::shared_store().await else {
+            return;
+        };
+        let mut conn = store.connection_manager().unwrap().clone();
+        let (foreign, unreadable) = (testing::fresh_key("foreign"), testing::fresh_key("garbled"));
+        let _: () = redis::cmd("HSET")
+            .arg(store.redis_key(&foreign))
+            .arg("field")
+            .arg("value")
+            .query_async(&mut conn)
+            .await
+            .unwrap();
+        let _: () = redis::cmd("SET")
+            .arg(store.redis_key(&unreadable))
+            .arg("v9|something else")
+            .query_async(&mut conn)
+            .await
+            .unwrap();
+        for key in [&foreign, &unreadable] {
+            let err = store.claim(key, testing::LEASE, testing::TTL, None).await.unwrap_err();
+            assert!(err.is_permanent(), "{key}: {err}");
+            let call =
+                idempotent::Error::<std::io::Error>::Store { error: err, handler_ran: false };
+            assert_eq!(call.disposition(), idempotent::Disposition::DeadLetter);
+        }
+    });
 }

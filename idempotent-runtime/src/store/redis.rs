@@ -32,7 +32,9 @@ pub const DEFAULT_CONNECTION_TIMEOUT: Duration = Duration::from_secs(2);
 /// The claim script. KEYS: the record. ARGV: token, lease ms, retention ms,
 /// fingerprint (or `-`). Returns `{state, attempts}` with state `W` (won), `P` (in
 /// progress), `F` (failed) or `M` (fingerprint mismatch), or `{'D', attempts,
-/// result}` (done; result empty when none was cached).
+/// result}` (done; result empty when none was cached). A record in progress under the
+/// caller's own token is a win: the same claim sent again (a Cluster client resends
+/// after a redirect or a lost connection) answers as the first did.
 pub const CLAIM_SCRIPT: &str = r"
 local now = redis.call('TIME')
 now = tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000)
@@ -41,9 +43,10 @@ local fp = ARGV[4]
 if redis.call('SET', KEYS[1], 'P 1 ' .. deadline .. ' ' .. ARGV[1] .. ' ' .. fp .. ' ', 'PX', ARGV[3], 'NX') then
   return {'W', 1}
 end
-local s, a, l, held, result = string.match(redis.call('GET', KEYS[1]) or '', '^(%u) (%d+) (%d+) %S+ (%S+) (.*)$')
-if not s then return redis.error_reply('idempotent: unreadable record') end
+local s, a, l, t, held, result = string.match(redis.call('GET', KEYS[1]) or '', '^(%u) (%d+) (%d+) (%S+) (%S+) (.*)$')
+if not s then return redis.error_reply('IDEMPOTENT_UNREADABLE record written by another program or another version') end
 a = tonumber(a)
+if s == 'P' and t == ARGV[1] then return {'W', a} end
 if held ~= '-' and fp ~= '-' and held ~= fp then return {'M', a} end
 if s == 'D' then return {'D', a, result} end
 if s == 'F' then return {'F', a} end
@@ -56,19 +59,24 @@ return {'W', a}
 ";
 
 /// The complete and fail script. ARGV: token, final state (`D` or `F`), ttl ms,
-/// result (empty for none). Returns 1 if applied, 0 if the lease was lost.
+/// result (empty for none). Returns 1 if applied, 0 if the lease was lost. The
+/// finished record keeps the finishing token, so the same call sent again answers 1.
 pub const FINISH_SCRIPT: &str = r"
 local s, a, t, fp = string.match(redis.call('GET', KEYS[1]) or '', '^(%u) (%d+) %d+ (%S+) (%S+) ')
+if s == ARGV[2] and t == ARGV[1] then return 1 end
 if s ~= 'P' or t ~= ARGV[1] then return 0 end
-redis.call('SET', KEYS[1], ARGV[2] .. ' ' .. a .. ' 0 - ' .. fp .. ' ' .. ARGV[4], 'PX', ARGV[3])
+redis.call('SET', KEYS[1], ARGV[2] .. ' ' .. a .. ' 0 ' .. t .. ' ' .. fp .. ' ' .. ARGV[4], 'PX', ARGV[3])
 return 1
 ";
 
-/// The release script. ARGV: token. Returns 1 if applied, 0 if the lease was lost.
-/// Keeps the attempt count, the fingerprint and the expiry.
+/// The release script. ARGV: token, and `1` to also take back the claim's attempt
+/// (for a claim whose reply was lost: its handler never ran). Returns 1 if applied, 0
+/// if the lease was lost. Keeps the attempt count, the fingerprint and the expiry.
 pub const RELEASE_SCRIPT: &str = r"
 local s, a, t, fp = string.match(redis.call('GET', KEYS[1]) or '', '^(%u) (%d+) %d+ (%S+) (%S+) ')
 if s ~= 'P' or t ~= ARGV[1] then return 0 end
+a = tonumber(a)
+if ARGV[2] == '1' and a > 0 then a = a - 1 end
 redis.call('SET', KEYS[1], 'R ' .. a .. ' 0 - ' .. fp .. ' ', 'KEEPTTL')
 return 1
 ";
@@ -240,6 +248,20 @@ impl RedisStore {
         reply.map_err(unavailable)
     }
 
+    /// Releases `token`'s claim and takes its attempt back, on the current Tokio
+    /// runtime, without waiting.
+    fn give_back_in_background(&self, key: &Key, token: Token) {
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else { return };
+        let (store, key) = (self.clone(), key.clone());
+        runtime.spawn(async move {
+            let token = token.to_string();
+            let args: [&[u8]; 2] = [token.as_bytes(), b"1"];
+            if let Err(error) = store.transition(&SCRIPTS.release, &key, &args).await {
+                tracing::warn!(key = %key, %error, "giving back a claim whose reply was lost failed; its lease will run out");
+            }
+        });
+    }
+
     async fn transition(
         &self,
         script: &Script,
@@ -254,8 +276,16 @@ impl RedisStore {
     }
 }
 
+/// A Redis error as a store error. A key of another type under the store's name
+/// (`WRONGTYPE`: another program's key) or a record the scripts can't read (written by
+/// another program or version) fails the same way every time: [`StoreError::Rejected`],
+/// so the message is dead-lettered instead of retried for ever. Anything else (the
+/// connection, a timeout, a busy or loading server) is [`StoreError::Unavailable`].
 fn unavailable(error: RedisError) -> StoreError {
-    StoreError::unavailable(error)
+    match error.code() {
+        Some("WRONGTYPE" | "IDEMPOTENT_UNREADABLE") => StoreError::Rejected(Box::new(error)),
+        _ => StoreError::unavailable(error),
+    }
 }
 
 fn millis(d: Duration) -> Vec<u8> {
@@ -277,7 +307,18 @@ impl Store for RedisStore {
         let fingerprint = fingerprint.map_or_else(|| "-".to_owned(), Fingerprint::to_string);
         let args: [&[u8]; 4] =
             [token_text.as_bytes(), &millis(lease), &millis(retention), fingerprint.as_bytes()];
-        let reply: Vec<redis::Value> = self.invoke(&SCRIPTS.claim, key, &args).await?;
+        let reply: Vec<redis::Value> = match self.invoke(&SCRIPTS.claim, key, &args).await {
+            Ok(reply) => reply,
+            Err(error) => {
+                // The script may have run and its reply been lost: give such a claim
+                // back, and its attempt with it, since no handler ran under it. (A
+                // no-op when it did not run: the release is fenced by the token.)
+                if !error.is_permanent() {
+                    self.give_back_in_background(key, token);
+                }
+                return Err(error);
+            }
+        };
         let field = |i: usize| reply.get(i).cloned().unwrap_or(redis::Value::Nil);
         let parse_error = |e: redis::ParsingError| StoreError::Protocol(e.to_string());
         let state: String = redis::from_redis_value(field(0)).map_err(parse_error)?;
@@ -309,7 +350,7 @@ impl Store for RedisStore {
 
     async fn release(&self, key: &Key, token: Token) -> Result<Transition, StoreError> {
         let token = token.to_string();
-        self.transition(&SCRIPTS.release, key, &[token.as_bytes()]).await
+        self.transition(&SCRIPTS.release, key, &[token.as_bytes(), b"0"]).await
     }
 
     async fn fail(&self, key: &Key, token: Token, ttl: Duration) -> Result<Transition, StoreError> {

@@ -188,3 +188,76 @@ fn temp_dir(name: &str) -> PathBuf {
     std::fs::create_dir_all(&dir).expect("create a temporary directory");
     dir
 }
+
+/// A TCP proxy of the test's own in front of a server, which can lose the server's
+/// next reply: it swallows it and closes the client's connection, as a network that
+/// fails after the command ran would. Runs on the current Tokio runtime.
+pub struct LossyProxy {
+    pub port: u16,
+    lose_next: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    lost: std::sync::Arc<std::sync::atomic::AtomicU32>,
+}
+
+impl LossyProxy {
+    pub async fn start(upstream: u16) -> LossyProxy {
+        use std::sync::Arc;
+        use std::sync::atomic::{AtomicBool, AtomicU32};
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let port = listener.local_addr().expect("local address").port();
+        let lose_next = Arc::new(AtomicBool::new(false));
+        let lost = Arc::new(AtomicU32::new(0));
+        let (flag, count) = (lose_next.clone(), lost.clone());
+        tokio::spawn(async move {
+            while let Ok((client, _)) = listener.accept().await {
+                tokio::spawn(pump(client, upstream, flag.clone(), count.clone()));
+            }
+        });
+        LossyProxy { port, lose_next, lost }
+    }
+
+    pub fn url(&self) -> String {
+        format!("redis://127.0.0.1:{}", self.port)
+    }
+
+    /// The next reply from the server is lost, and its connection closed.
+    pub fn lose_next_reply(&self) {
+        self.lose_next.store(true, std::sync::atomic::Ordering::SeqCst);
+    }
+
+    /// How many replies were lost so far.
+    pub fn lost(&self) -> u32 {
+        self.lost.load(std::sync::atomic::Ordering::SeqCst)
+    }
+}
+
+async fn pump(
+    client: tokio::net::TcpStream,
+    upstream: u16,
+    lose_next: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    lost: std::sync::Arc<std::sync::atomic::AtomicU32>,
+) {
+    use std::sync::atomic::Ordering;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let Ok(server) = tokio::net::TcpStream::connect(("127.0.0.1", upstream)).await else { return };
+    let (mut client_read, mut client_write) = client.into_split();
+    let (mut server_read, mut server_write) = server.into_split();
+    let up = tokio::io::copy(&mut client_read, &mut server_write);
+    let down = async {
+        let mut buf = vec![0u8; 64 * 1024];
+        loop {
+            let n = server_read.read(&mut buf).await?;
+            if n == 0 {
+                return Ok::<(), std::io::Error>(());
+            }
+            if lose_next.swap(false, Ordering::SeqCst) {
+                lost.fetch_add(1, Ordering::SeqCst);
+                return Ok(());
+            }
+            client_write.write_all(&buf[..n]).await?;
+        }
+    };
+    tokio::select! {
+        _ = up => {}
+        _ = down => {}
+    }
+}
