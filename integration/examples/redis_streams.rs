@@ -41,7 +41,8 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
             xadd.arg(&stream).arg("*").arg("payload").arg(body).query_async(&mut conn).await?;
     }
 
-    let consumer = StreamConsumer::new(conn.clone(), &stream, "billing", "billing-1").await?;
+    let client = redis::Client::open(url.as_str())?;
+    let consumer = StreamConsumer::new(&client, &stream, "billing", "billing-1").await?;
     let (mut acked, mut retried, mut dead) = (0, 0, 0);
     let start = Instant::now();
     while acked + dead < published {

@@ -70,9 +70,9 @@ fn two_consumers_one_killed_every_message_once() {
         let consumer = |name: &'static str, doomed: bool| {
             let (store, world, acked, stream) =
                 (store.clone(), world.clone(), acked.clone(), stream.clone());
-            let conn = conn.clone();
+            let client = redis::Client::open(support::redis_url()).unwrap();
             async move {
-                let consumer = StreamConsumer::new(conn, stream, "billing", name)
+                let consumer = StreamConsumer::new(&client, stream, "billing", name)
                     .await
                     .unwrap()
                     .batch(16)

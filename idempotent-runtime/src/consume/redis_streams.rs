@@ -49,6 +49,9 @@ pub struct Polled {
     pub retried: Vec<String>,
     /// Copied to the dead-letter stream, then acknowledged.
     pub dead_lettered: Vec<String>,
+    /// To be dead-lettered, but another consumer had taken the entry over meanwhile:
+    /// left to that consumer, not copied.
+    pub taken_over: Vec<String>,
 }
 
 /// A consumer in a Redis Streams consumer group.
@@ -58,11 +61,25 @@ pub struct Polled {
 /// and entries left for retry), then reads new ones (`XREADGROUP`), and settles each by
 /// its handler's disposition: `XACK` on Ack; nothing on Retry (it stays pending and is
 /// reclaimed later); on DeadLetter, `XADD` to the dead-letter stream (the entry's
-/// fields plus `idempotent-source-id`) and `XACK`, in one script: no ack without the
-/// copy. Standalone Redis (the two streams are different keys).
+/// fields plus `idempotent-source-id`) and `XACK`, in one script that copies nothing
+/// unless the entry is still this consumer's: no ack without the copy, no copy of an
+/// entry another consumer took over. Standalone Redis (the two streams are different
+/// keys).
+///
+/// The consumer opens connections of its own from the [`redis::Client`] it is given:
+/// one for its blocking reads, whose reply timeout is the block time plus five
+/// seconds, and one for everything else. A blocking read on a shared connection would
+/// hold up every other command on it (a store's claims and lease renewals among them)
+/// for up to the block time, and a reply timeout shorter than the block time would
+/// drop the entries a read delivered into the pending list unseen.
+///
+/// While a batch is being handled, the entries not yet settled are touched (their
+/// idle time reset, if they are still this consumer's) every third of the reclaim
+/// idle time, so other consumers reclaim only the entries of a consumer that stopped,
+/// however long the batch takes.
 ///
 /// ```no_run
-/// # async fn demo(redis: redis::aio::ConnectionManager, store: idempotent_runtime::MemoryStore) -> redis::RedisResult<()> {
+/// # async fn demo() -> redis::RedisResult<()> {
 /// use idempotent_runtime::consume::redis_streams::{StreamConsumer, StreamMessage};
 /// use idempotent_runtime::{Error, Outcome};
 ///
@@ -71,7 +88,8 @@ pub struct Polled {
 ///     # let _ = msg; Ok(Outcome::Processed(()))
 /// }
 ///
-/// let consumer = StreamConsumer::new(redis, "orders", "billing", "billing-1").await?;
+/// let client = redis::Client::open("redis://127.0.0.1:6379")?;
+/// let consumer = StreamConsumer::new(&client, "orders", "billing", "billing-1").await?;
 /// loop {
 ///     consumer.poll(handle).await?;
 /// }
@@ -79,7 +97,10 @@ pub struct Polled {
 /// ```
 #[derive(Clone)]
 pub struct StreamConsumer {
-    connection: ConnectionManager,
+    client: redis::Client,
+    commands: ConnectionManager,
+    /// Opened on the first read, with a reply timeout that fits the block time.
+    reader: std::sync::Arc<tokio::sync::OnceCell<ConnectionManager>>,
     stream: String,
     group: String,
     consumer: String,
@@ -93,46 +114,69 @@ pub struct StreamConsumer {
     cursor: std::sync::Arc<std::sync::Mutex<String>>,
 }
 
-/// Copies an entry to the dead-letter stream and acks it, atomically: if the copy
-/// fails, the ack does not happen. KEYS: stream, dead-letter stream. ARGV: group, id,
-/// then field/value pairs.
+/// Copies an entry to the dead-letter stream and acks it, atomically, and only while
+/// the entry is pending for this consumer: if another consumer took it over, nothing
+/// is copied or acked (returns 0). KEYS: stream, dead-letter stream. ARGV: group,
+/// consumer, id, then field/value pairs.
 const DEAD_LETTER_SCRIPT: &str = r"
-redis.call('XADD', KEYS[2], '*', unpack(ARGV, 3))
-return redis.call('XACK', KEYS[1], ARGV[1], ARGV[2])
+local mine = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[3], ARGV[3], 1, ARGV[2])
+if #mine == 0 then return 0 end
+redis.call('XADD', KEYS[2], '*', unpack(ARGV, 4))
+return redis.call('XACK', KEYS[1], ARGV[1], ARGV[3])
 ";
+
+/// Resets the idle time of the entries still pending for this consumer. KEYS: stream.
+/// ARGV: group, consumer, ids. Returns how many were touched.
+const TOUCH_SCRIPT: &str = r"
+local touched = 0
+for i = 3, #ARGV do
+  if #redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[i], ARGV[i], 1, ARGV[2]) == 1 then
+    redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[2], 0, ARGV[i], 'JUSTID')
+    touched = touched + 1
+  end
+end
+return touched
+";
+
+/// How long a command other than a blocking read may wait for its reply.
+const COMMAND_TIMEOUT: Duration = Duration::from_secs(5);
 
 impl StreamConsumer {
     /// Joins `group` on `stream` as `consumer`, creating the group (reading from the
-    /// stream's start) and the stream if they do not exist.
+    /// stream's start) and the stream if they do not exist. Opens its own connections
+    /// from `client` (see the type's documentation).
     pub async fn new(
-        connection: ConnectionManager,
+        client: &redis::Client,
         stream: impl Into<String>,
         group: impl Into<String>,
         consumer: impl Into<String>,
     ) -> RedisResult<StreamConsumer> {
         let (stream, group) = (stream.into(), group.into());
-        let mut conn = connection.clone();
+        let block = Duration::from_millis(500);
+        let commands = connect(client, COMMAND_TIMEOUT).await?;
         let created: RedisResult<()> = redis::cmd("XGROUP")
             .arg("CREATE")
             .arg(&stream)
             .arg(&group)
             .arg("0")
             .arg("MKSTREAM")
-            .query_async(&mut conn)
+            .query_async(&mut commands.clone())
             .await;
         match created {
             Err(e) if e.code() == Some("BUSYGROUP") => {}
             other => other?,
         }
         Ok(StreamConsumer {
-            connection,
+            client: client.clone(),
+            commands,
+            reader: Default::default(),
             dead_letter: format!("{stream}:dead"),
             stream,
             group,
             consumer: consumer.into(),
             payload_field: DEFAULT_PAYLOAD_FIELD.to_owned(),
             batch: 32,
-            block: Duration::from_millis(500),
+            block,
             reclaim_idle: Duration::from_secs(30),
             cursor: Default::default(),
         })
@@ -156,22 +200,27 @@ impl StreamConsumer {
         self
     }
 
-    /// How long a read waits for new entries; default 500 ms.
+    /// How long a read waits for new entries; default 500 ms. Zero does not block
+    /// (it is not Redis's `BLOCK 0`, which waits for ever). The read connection's
+    /// reply timeout is this plus five seconds.
     pub fn block(mut self, wait: Duration) -> Self {
         self.block = wait;
+        self.reader = Default::default();
         self
     }
 
-    /// How long an entry must have been pending before this consumer reclaims it;
-    /// default 30 s. Keep it above the handler's lease: a live consumer's entry is
-    /// then never taken from it, and one left for retry waits this long.
+    /// How long an entry must have been pending, untouched, before this consumer
+    /// reclaims it; default 30 s. A live consumer touches its unsettled entries every
+    /// third of this, so only a stopped consumer's entries are reclaimed; an entry
+    /// left for retry waits this long.
     pub fn reclaim_idle(mut self, idle: Duration) -> Self {
-        self.reclaim_idle = idle;
+        self.reclaim_idle = idle.max(Duration::from_millis(3));
         self
     }
 
     /// Reclaims stale entries, reads new ones, and settles each with `handler`'s
-    /// disposition, one at a time in order.
+    /// disposition, one at a time in order. A quiet stream gives an empty [`Polled`]
+    /// after the block time.
     pub async fn poll<F, Fut, R>(&self, mut handler: F) -> RedisResult<Polled>
     where
         F: FnMut(StreamMessage) -> Fut,
@@ -182,24 +231,48 @@ impl StreamConsumer {
         if entries.is_empty() {
             entries = self.read().await?;
         }
-        let mut polled = Polled::default();
-        for entry in entries {
-            let message = self.message(entry);
-            let id = message.id.clone();
-            let fields = message.fields.clone();
-            match handler(message).await.disposition() {
-                Disposition::Ack => {
-                    self.ack(&id).await?;
-                    polled.acked.push(id);
+        let unsettled: std::sync::Mutex<Vec<String>> =
+            std::sync::Mutex::new(entries.iter().map(|e| e.id.clone()).collect());
+        let settle = async {
+            let mut polled = Polled::default();
+            for entry in entries {
+                let message = self.message(entry);
+                let id = message.id.clone();
+                let fields = message.fields.clone();
+                match handler(message).await.disposition() {
+                    Disposition::Ack => {
+                        self.ack(&id).await?;
+                        polled.acked.push(id.clone());
+                    }
+                    Disposition::Retry => polled.retried.push(id.clone()),
+                    Disposition::DeadLetter => {
+                        if self.dead_letter(&id, fields).await? {
+                            polled.dead_lettered.push(id.clone());
+                        } else {
+                            polled.taken_over.push(id.clone());
+                        }
+                    }
                 }
-                Disposition::Retry => polled.retried.push(id),
-                Disposition::DeadLetter => {
-                    self.dead_letter(&id, fields).await?;
-                    polled.dead_lettered.push(id);
+                if let Ok(mut unsettled) = unsettled.lock() {
+                    unsettled.retain(|pending| *pending != id);
                 }
             }
+            Ok(polled)
+        };
+        let heartbeat = async {
+            loop {
+                tokio::time::sleep(self.reclaim_idle / 3).await;
+                let ids = unsettled.lock().map(|ids| ids.clone()).unwrap_or_default();
+                if let Err(error) = self.touch(&ids).await {
+                    tracing::warn!(%error, stream = %self.stream, "touching pending entries failed");
+                }
+            }
+        };
+        tokio::select! {
+            biased;
+            polled = settle => polled,
+            never = heartbeat => never,
         }
-        Ok(polled)
     }
 
     async fn reclaim(&self) -> RedisResult<Vec<StreamId>> {
@@ -213,7 +286,7 @@ impl StreamConsumer {
             .arg(&start)
             .arg("COUNT")
             .arg(self.batch)
-            .query_async(&mut self.connection.clone())
+            .query_async(&mut self.commands.clone())
             .await?;
         if let Ok(mut cursor) = self.cursor.lock() {
             *cursor = reply.next_stream_id;
@@ -222,20 +295,32 @@ impl StreamConsumer {
     }
 
     async fn read(&self) -> RedisResult<Vec<StreamId>> {
-        let reply: Option<StreamReadReply> = redis::cmd("XREADGROUP")
-            .arg("GROUP")
-            .arg(&self.group)
-            .arg(&self.consumer)
-            .arg("COUNT")
-            .arg(self.batch)
-            .arg("BLOCK")
-            .arg(self.block.as_millis() as u64)
-            .arg("STREAMS")
-            .arg(&self.stream)
-            .arg(">")
-            .query_async(&mut self.connection.clone())
+        let mut read = redis::cmd("XREADGROUP");
+        read.arg("GROUP").arg(&self.group).arg(&self.consumer).arg("COUNT").arg(self.batch);
+        if !self.block.is_zero() {
+            read.arg("BLOCK").arg(self.block.as_millis().max(1) as u64);
+        }
+        read.arg("STREAMS").arg(&self.stream).arg(">");
+        let reader = (self.reader)
+            .get_or_try_init(|| connect(&self.client, self.block + COMMAND_TIMEOUT))
             .await?;
+        let reply: Option<StreamReadReply> = read.query_async(&mut reader.clone()).await?;
         Ok(reply.into_iter().flat_map(|r| r.keys).flat_map(|k| k.ids).collect())
+    }
+
+    async fn touch(&self, ids: &[String]) -> RedisResult<()> {
+        if ids.is_empty() {
+            return Ok(());
+        }
+        static SCRIPT: std::sync::LazyLock<redis::Script> =
+            std::sync::LazyLock::new(|| redis::Script::new(TOUCH_SCRIPT));
+        let mut invocation = SCRIPT.prepare_invoke();
+        invocation.key(&self.stream).arg(&self.group).arg(&self.consumer);
+        for id in ids {
+            invocation.arg(id);
+        }
+        let _: i64 = invocation.invoke_async(&mut self.commands.clone()).await?;
+        Ok(())
     }
 
     fn message(&self, entry: StreamId) -> StreamMessage {
@@ -261,20 +346,31 @@ impl StreamConsumer {
             .arg(&self.stream)
             .arg(&self.group)
             .arg(id)
-            .query_async(&mut self.connection.clone())
+            .query_async(&mut self.commands.clone())
             .await
     }
 
-    async fn dead_letter(&self, id: &str, fields: HashMap<String, Vec<u8>>) -> RedisResult<()> {
+    /// Copies the entry to the dead-letter stream and acks it; `false` when the entry
+    /// is no longer this consumer's (another one took it over), which changes nothing.
+    async fn dead_letter(&self, id: &str, fields: HashMap<String, Vec<u8>>) -> RedisResult<bool> {
         static SCRIPT: std::sync::LazyLock<redis::Script> =
             std::sync::LazyLock::new(|| redis::Script::new(DEAD_LETTER_SCRIPT));
         let mut invocation = SCRIPT.prepare_invoke();
-        invocation.key(&self.stream).key(&self.dead_letter).arg(&self.group).arg(id);
+        invocation.key(&self.stream).key(&self.dead_letter);
+        invocation.arg(&self.group).arg(&self.consumer).arg(id);
         invocation.arg("idempotent-source-id").arg(id);
         for (k, v) in &fields {
             invocation.arg(k).arg(v);
         }
-        let _: i64 = invocation.invoke_async(&mut self.connection.clone()).await?;
-        Ok(())
+        let acked: i64 = invocation.invoke_async(&mut self.commands.clone()).await?;
+        Ok(acked == 1)
     }
+}
+
+/// A connection manager whose replies may take up to `timeout`.
+async fn connect(client: &redis::Client, timeout: Duration) -> RedisResult<ConnectionManager> {
+    let config = redis::aio::ConnectionManagerConfig::new()
+        .set_response_timeout(Some(timeout))
+        .set_connection_timeout(Some(COMMAND_TIMEOUT));
+    ConnectionManager::new_with_config(client.clone(), config).await
 }

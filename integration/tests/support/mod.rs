@@ -15,7 +15,7 @@ use idempotent::RedisStore;
 /// printed reason, when it is unreachable outside CI; under `CI` a missing server
 /// fails the test.
 pub async fn shared_store() -> Option<RedisStore> {
-    let url = std::env::var("REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".into());
+    let url = redis_url();
     match RedisStore::connect(url.as_str()).await {
         Ok(store) => Some(store),
         Err(e) => {
@@ -24,6 +24,11 @@ pub async fn shared_store() -> Option<RedisStore> {
             None
         }
     }
+}
+
+/// The machine's Redis: `REDIS_URL`, default `redis://127.0.0.1:6379`.
+pub fn redis_url() -> String {
+    std::env::var("REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".into())
 }
 
 /// Whether `redis-server` can be run; outside CI a missing binary skips the test.

@@ -1,0 +1,178 @@
+//! The Redis Streams consumer's own guarantees, with plain handlers whose runs are
+//! counted: quiet polls are not errors and lose nothing, a slow batch keeps its
+//! entries from other consumers, a dead letter is copied only by the entry's owner,
+//! and a zero block time does not wait for ever.
+
+mod support;
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use idempotent::consume::redis_streams::{StreamConsumer, StreamMessage};
+use idempotent::testing::{self, block_on};
+use idempotent::{Error, Outcome};
+use redis::aio::ConnectionManager;
+
+type Settled = Result<Outcome<()>, Error<std::io::Error>>;
+
+/// A fresh stream name and a connection for publishing, or `None` without Redis.
+async fn stream() -> Option<(String, ConnectionManager, redis::Client)> {
+    let store = support::shared_store().await?;
+    let conn = store.connection_manager().unwrap().clone();
+    let client = redis::Client::open(support::redis_url()).unwrap();
+    Some((format!("{}:s", testing::fresh_key("consumer").namespace()), conn, client))
+}
+
+async fn publish(conn: &mut ConnectionManager, stream: &str, n: usize) {
+    for i in 0..n {
+        let _: String = redis::cmd("XADD")
+            .arg(stream)
+            .arg("*")
+            .arg("payload")
+            .arg(format!(r#"{{"n":{i}}}"#))
+            .query_async(conn)
+            .await
+            .unwrap();
+    }
+}
+
+async fn delete(conn: &mut ConnectionManager, keys: &[&str]) {
+    let _: () = redis::cmd("DEL").arg(keys).query_async(conn).await.unwrap();
+}
+
+/// With the default block time, a quiet poll answers an empty batch instead of
+/// timing out, and entries published while a read blocks are all delivered by reads,
+/// none left pending unseen until the reclaim time.
+#[test]
+fn quiet_polls_are_empty_and_lose_nothing() {
+    block_on(async {
+        let Some((stream, mut conn, client)) = stream().await else { return };
+        let consumer = StreamConsumer::new(&client, &stream, "g", "c1").await.unwrap();
+        for _ in 0..3 {
+            let polled = consumer.poll(|_| async { Settled::Ok(Outcome::Processed(())) }).await;
+            assert_eq!(polled.unwrap(), Default::default());
+        }
+        let mut publisher = conn.clone();
+        let stream_name = stream.clone();
+        let publishing = tokio::spawn(async move {
+            for _ in 0..7 {
+                publish(&mut publisher, &stream_name, 3).await;
+                tokio::time::sleep(Duration::from_millis(230)).await;
+            }
+        });
+        let mut seen = 0;
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while seen < 21 && Instant::now() < deadline {
+            let polled = consumer.poll(|_| async { Settled::Ok(Outcome::Processed(())) }).await;
+            seen += polled.unwrap().acked.len();
+        }
+        publishing.await.unwrap();
+        assert_eq!(seen, 21, "entries were left pending unseen");
+        delete(&mut conn, &[&stream]).await;
+    });
+}
+
+/// A batch whose handling takes longer than the reclaim idle time keeps its
+/// entries: the consumer touches them while it works, so another consumer does not
+/// reclaim and run them too.
+#[test]
+fn a_slow_batch_keeps_its_entries() {
+    block_on(async {
+        let Some((stream, mut conn, client)) = stream().await else { return };
+        let runs: Arc<Mutex<HashMap<String, u32>>> = Arc::default();
+        let idle = Duration::from_millis(600);
+        let slow = StreamConsumer::new(&client, &stream, "g", "slow").await.unwrap();
+        let slow = slow.batch(4).reclaim_idle(idle);
+        let rival = StreamConsumer::new(&client, &stream, "g", "rival").await.unwrap();
+        let rival = rival.batch(4).reclaim_idle(idle).block(Duration::from_millis(50));
+        publish(&mut conn, &stream, 4).await;
+        let count = |runs: Arc<Mutex<HashMap<String, u32>>>, pause: Duration| {
+            move |m: StreamMessage| {
+                *runs.lock().unwrap().entry(m.id.clone()).or_default() += 1;
+                async move {
+                    tokio::time::sleep(pause).await;
+                    Settled::Ok(Outcome::Processed(()))
+                }
+            }
+        };
+        // 4 entries × 400 ms: the last is handled 1.2 s after the read.
+        let working = slow.poll(count(runs.clone(), Duration::from_millis(400)));
+        let poaching = async {
+            let until = Instant::now() + Duration::from_millis(2_000);
+            while Instant::now() < until {
+                rival.poll(count(runs.clone(), Duration::ZERO)).await.unwrap();
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        };
+        let (polled, ()) = tokio::join!(working, poaching);
+        assert_eq!(polled.unwrap().acked.len(), 4);
+        let runs = runs.lock().unwrap().clone();
+        assert_eq!(runs.len(), 4);
+        assert!(runs.values().all(|&n| n == 1), "entries ran twice: {runs:?}");
+        delete(&mut conn, &[&stream]).await;
+    });
+}
+
+/// An entry that another consumer took over while its first owner still handled it
+/// is not copied to the dead-letter stream by the first owner.
+#[test]
+fn only_the_owner_dead_letters_an_entry() {
+    block_on(async {
+        let Some((stream, mut conn, client)) = stream().await else { return };
+        let dead = format!("{stream}:dead");
+        let first = StreamConsumer::new(&client, &stream, "g", "first").await.unwrap();
+        publish(&mut conn, &stream, 1).await;
+        let takeover = conn.clone();
+        let stream_name = stream.clone();
+        let polled = first
+            .poll(move |m: StreamMessage| {
+                let (mut takeover, stream) = (takeover.clone(), stream_name.clone());
+                async move {
+                    // Another consumer claims the entry and finishes it meanwhile.
+                    let _: redis::Value = redis::cmd("XCLAIM")
+                        .arg(&stream)
+                        .arg("g")
+                        .arg("second")
+                        .arg(0)
+                        .arg(&m.id)
+                        .query_async(&mut takeover)
+                        .await
+                        .unwrap();
+                    let _: i64 = redis::cmd("XACK")
+                        .arg(&stream)
+                        .arg("g")
+                        .arg(&m.id)
+                        .query_async(&mut takeover)
+                        .await
+                        .unwrap();
+                    Settled::Err(Error::Terminal {
+                        error: std::io::ErrorKind::InvalidData.into(),
+                        attempt: 1,
+                        exhausted: false,
+                    })
+                }
+            })
+            .await
+            .unwrap();
+        assert!(polled.dead_lettered.is_empty(), "{polled:?}");
+        assert_eq!(polled.taken_over.len(), 1);
+        let copies: usize = redis::cmd("XLEN").arg(&dead).query_async(&mut conn).await.unwrap();
+        assert_eq!(copies, 0, "a copy of someone else's entry was dead-lettered");
+        delete(&mut conn, &[&stream, &dead]).await;
+    });
+}
+
+/// A zero block time reads without blocking; it is not Redis's `BLOCK 0`.
+#[test]
+fn a_zero_block_time_does_not_wait_for_ever() {
+    block_on(async {
+        let Some((stream, mut conn, client)) = stream().await else { return };
+        let consumer = StreamConsumer::new(&client, &stream, "g", "c").await.unwrap();
+        let consumer = consumer.block(Duration::ZERO);
+        let poll = consumer.poll(|_| async { Settled::Ok(Outcome::Processed(())) });
+        let polled = tokio::time::timeout(Duration::from_secs(3), poll).await;
+        assert_eq!(polled.expect("the read blocked").unwrap(), Default::default());
+        delete(&mut conn, &[&stream]).await;
+    });
+}
