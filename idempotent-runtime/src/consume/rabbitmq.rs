@@ -4,11 +4,11 @@ use std::future::Future;
 
 use futures_util::StreamExt as _;
 use lapin::options::{
-    BasicAckOptions, BasicConsumeOptions, BasicNackOptions, BasicRejectOptions,
-    ExchangeDeclareOptions, QueueBindOptions, QueueDeclareOptions,
+    BasicAckOptions, BasicConsumeOptions, BasicNackOptions, BasicPublishOptions,
+    ConfirmSelectOptions, ExchangeDeclareOptions, QueueBindOptions, QueueDeclareOptions,
 };
 use lapin::types::{AMQPValue, FieldTable};
-use lapin::{BasicProperties, Channel, ExchangeKind};
+use lapin::{BasicProperties, Channel, Confirmation, ExchangeKind};
 
 use crate::{Disposition, DispositionExt, Payload, PayloadRef};
 
@@ -32,9 +32,11 @@ impl Payload for RabbitMessage {
     }
 }
 
-/// Declares `queue` (durable) with a dead-letter exchange `{queue}.dlx` routing to the
-/// durable queue `{queue}.dead`, which it returns: what [`RabbitConsumer`] rejects
-/// ends up there.
+/// Declares `queue` (durable) and the durable queue `{queue}.dead`, which it returns:
+/// [`RabbitConsumer`] publishes its dead letters there. The queue also gets the
+/// dead-letter exchange `{queue}.dlx`, routing to `{queue}.dead`, so that messages the
+/// broker itself dead-letters (expired, over a length limit, rejected by other
+/// consumers) end up there too.
 pub async fn declare_with_dead_letter(channel: &Channel, queue: &str) -> lapin::Result<String> {
     let (exchange, dead) = (format!("{queue}.dlx"), format!("{queue}.dead"));
     let durable = QueueDeclareOptions { durable: true, ..Default::default() };
@@ -70,12 +72,25 @@ fn name(name: &str) -> lapin::Result<lapin::types::ShortString> {
 /// A consumer on one queue with manual acknowledgements.
 ///
 /// [`next`](RabbitConsumer::next) hands the next delivery to a handler and settles it
-/// by the result's disposition: Ack → `basic.ack`; Retry → wait the retry delay
-/// (default 1 s), then `basic.nack` with `requeue` (so a short outage does not burn
-/// every attempt at once, and a duplicate in progress elsewhere does not spin);
-/// DeadLetter → `basic.reject` without requeue, which the queue's dead-letter exchange
-/// routes on (see [`declare_with_dead_letter`]). Unacked deliveries of a consumer whose
-/// connection dies are redelivered by the broker.
+/// by the result's disposition:
+///
+/// * Ack → `basic.ack`.
+/// * Retry → `basic.nack` with `requeue` after the retry delay (default 1 s, so a
+///   short outage does not burn every attempt at once), from a task of its own: the
+///   delivery is held, unacked, while the consumer goes on with the next ones.
+/// * DeadLetter → the consumer publishes a copy to the dead-letter queue itself
+///   (default `{queue}.dead`; the body, properties and headers, plus
+///   `x-idempotent-source-queue`), waits for the broker's publisher confirm, and
+///   only then acks. A copy the broker refuses or cannot route is not acked: the
+///   delivery is requeued and the error returned. The broker's own dead-lettering is
+///   not used for this: with no dead-letter exchange configured a reject discards the
+///   message, and classic queues dead-letter without confirms.
+///
+/// The channel is put in confirm mode, and [`new`](RabbitConsumer::new) checks that
+/// the dead-letter queue exists ([`declare_with_dead_letter`] declares both), so a
+/// missing one is an error at start-up, not a lost message. A settle the channel could
+/// not send is an error, never reported as done. Unacked deliveries of a consumer
+/// whose connection dies are redelivered by the broker.
 ///
 /// ```no_run
 /// # async fn demo() -> lapin::Result<()> {
@@ -100,17 +115,41 @@ fn name(name: &str) -> lapin::Result<lapin::types::ShortString> {
 /// ```
 pub struct RabbitConsumer {
     consumer: lapin::Consumer,
+    channel: Channel,
+    queue: String,
+    dead_letter: String,
     retry_delay: std::time::Duration,
 }
 
 impl RabbitConsumer {
-    /// Starts consuming `queue` as `tag`, with manual acks. Set the channel's
-    /// prefetch (`basic_qos`) to bound how many unacked deliveries it holds.
+    /// Starts consuming `queue` as `tag`, with manual acks, dead-lettering to
+    /// `{queue}.dead`, which must exist. Set the channel's prefetch (`basic_qos`) to
+    /// bound how many unacked deliveries it holds.
     pub async fn new(channel: &Channel, queue: &str, tag: &str) -> lapin::Result<RabbitConsumer> {
+        RabbitConsumer::with_dead_letter_queue(channel, queue, tag, &format!("{queue}.dead")).await
+    }
+
+    /// As [`new`](RabbitConsumer::new), dead-lettering to `dead_letter`, which must
+    /// exist (a missing queue is an error here, and the broker closes the channel).
+    pub async fn with_dead_letter_queue(
+        channel: &Channel,
+        queue: &str,
+        tag: &str,
+        dead_letter: &str,
+    ) -> lapin::Result<RabbitConsumer> {
+        let passive = QueueDeclareOptions { passive: true, ..Default::default() };
+        channel.queue_declare(name(dead_letter)?, passive, FieldTable::default()).await?;
+        channel.confirm_select(ConfirmSelectOptions::default()).await?;
         let options = BasicConsumeOptions { no_ack: false, ..Default::default() };
         let consumer =
             channel.basic_consume(name(queue)?, name(tag)?, options, FieldTable::default()).await?;
-        Ok(RabbitConsumer { consumer, retry_delay: std::time::Duration::from_secs(1) })
+        Ok(RabbitConsumer {
+            consumer,
+            channel: channel.clone(),
+            queue: queue.to_owned(),
+            dead_letter: dead_letter.to_owned(),
+            retry_delay: std::time::Duration::from_secs(1),
+        })
     }
 
     /// How long to hold a delivery left for retry before requeueing it; default 1 s.
@@ -119,8 +158,9 @@ impl RabbitConsumer {
         self
     }
 
-    /// Waits for the next delivery, runs `handler` on it and settles it. `None` when
-    /// the consumer was cancelled or its channel closed.
+    /// Waits for the next delivery, runs `handler` on it and settles it (a Retry's
+    /// requeue happens after the retry delay, in the background). `None` when the
+    /// consumer was cancelled or its channel closed.
     pub async fn next<F, Fut, R>(&mut self, handler: F) -> Option<lapin::Result<Disposition>>
     where
         F: FnOnce(RabbitMessage) -> Fut,
@@ -138,15 +178,82 @@ impl RabbitConsumer {
             redelivered: delivery.redelivered,
             properties: delivery.properties,
         };
+        let copy = message.clone();
         let disposition = handler(message).await.disposition();
         let settled = match disposition {
-            Disposition::Ack => acker.ack(BasicAckOptions::default()).await,
+            Disposition::Ack => sent(acker.ack(BasicAckOptions::default()).await),
             Disposition::Retry => {
-                tokio::time::sleep(self.retry_delay).await;
-                acker.nack(BasicNackOptions { multiple: false, requeue: true }).await
+                let delay = self.retry_delay;
+                tokio::spawn(async move {
+                    tokio::time::sleep(delay).await;
+                    let requeue = BasicNackOptions { multiple: false, requeue: true };
+                    if let Err(error) = sent(acker.nack(requeue).await) {
+                        tracing::warn!(%error, "requeueing a delivery failed; the broker redelivers it when the channel closes");
+                    }
+                });
+                Ok(())
             }
-            Disposition::DeadLetter => acker.reject(BasicRejectOptions { requeue: false }).await,
+            Disposition::DeadLetter => match self.publish_dead_letter(copy).await {
+                Ok(()) => sent(acker.ack(BasicAckOptions::default()).await),
+                Err(error) => {
+                    let requeue = BasicNackOptions { multiple: false, requeue: true };
+                    let _ = acker.nack(requeue).await;
+                    Err(error)
+                }
+            },
         };
-        Some(settled.map(|_| disposition))
+        Some(settled.map(|()| disposition))
     }
+
+    /// Publishes `message` to the dead-letter queue and waits for the broker to
+    /// confirm it was stored; refused or unroutable is an error.
+    async fn publish_dead_letter(&self, message: RabbitMessage) -> lapin::Result<()> {
+        let mut headers = message.properties.headers().clone().unwrap_or_default();
+        headers.insert(
+            "x-idempotent-source-queue".into(),
+            AMQPValue::LongString(self.queue.clone().into()),
+        );
+        headers.insert(
+            "x-idempotent-source-routing-key".into(),
+            AMQPValue::LongString(message.routing_key.clone().into()),
+        );
+        let properties = message.properties.with_headers(headers);
+        let options = BasicPublishOptions { mandatory: true, immediate: false };
+        let confirm = self
+            .channel
+            .basic_publish(name("")?, name(&self.dead_letter)?, options, &message.body, properties)
+            .await?
+            .await?;
+        match confirm {
+            Confirmation::Ack(None) => Ok(()),
+            Confirmation::Ack(Some(_)) => Err(refused(format!(
+                "the dead-letter copy could not be routed to queue `{}`",
+                self.dead_letter
+            ))),
+            Confirmation::Nack(_) => Err(refused(format!(
+                "the broker refused the dead-letter copy for queue `{}`",
+                self.dead_letter
+            ))),
+            Confirmation::NotRequested => Err(refused(
+                "the channel is not in confirm mode, so the dead-letter copy is unconfirmed"
+                    .to_owned(),
+            )),
+        }
+    }
+}
+
+/// A settle lapin reports as not sent (`Ok(false)`) is an error, not a success.
+fn sent(result: lapin::Result<bool>) -> lapin::Result<()> {
+    match result {
+        Ok(true) => Ok(()),
+        Ok(false) => Err(refused(
+            "the settle was not sent: the delivery was already settled or the channel is closing"
+                .to_owned(),
+        )),
+        Err(error) => Err(error),
+    }
+}
+
+fn refused(why: String) -> lapin::Error {
+    lapin::Error::from(std::io::Error::other(why))
 }
