@@ -48,8 +48,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
         ..Default::default()
     };
     let durable = orders.get_or_create_consumer("billing", config).await?;
-    let mut consumer =
-        NatsConsumer::new(&durable, js.clone()).await?.dead_letter_subject(format!("{name}.dead"));
+    let mut consumer = NatsConsumer::new(&durable, js.clone(), format!("{name}.dead")).await?;
     let store = MemoryStore::new();
     let mut counts = std::collections::HashMap::new();
     for _ in 0..published {

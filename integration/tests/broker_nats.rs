@@ -90,10 +90,9 @@ fn two_consumers_one_killed_every_message_once() {
                 let js = jetstream::new(connect().await.unwrap());
                 let durable: jetstream::consumer::PullConsumer =
                     js.get_consumer_from_stream("billing", &stream_name).await.unwrap();
-                let mut consumer = NatsConsumer::new(&durable, js.clone())
+                let mut consumer = NatsConsumer::new(&durable, js.clone(), dead_subject)
                     .await
                     .unwrap()
-                    .dead_letter_subject(dead_subject)
                     .retry_delay(Duration::from_millis(200));
                 loop {
                     let settled = consumer.next(|m| async {

@@ -35,8 +35,25 @@ impl Payload for NatsMessage {
 
 /// A JetStream pull consumer that settles each message by its handler's disposition:
 /// Ack → `+ACK`; Retry → `-NAK` with a delay (default 1 s), so the server redelivers
-/// it after the delay; DeadLetter → publish the body (with its headers) to the
-/// dead-letter subject, if one is set, then `+TERM` so the server never redelivers it.
+/// it after the delay; DeadLetter → publish the body (with its headers, and
+/// `Idempotent-Source-Subject` / `Idempotent-Source-Sequence`) to the dead-letter
+/// subject and wait for JetStream to store it, then `+TERM` so the server never
+/// redelivers it.
+///
+/// * While a handler runs, the message is kept from redelivery with `+WPI` (work in
+///   progress) every third of the consumer's `ack_wait`, so a handler may take longer
+///   than `ack_wait` without the server handing the message out again.
+/// * The consumer pulls [`batch`](NatsConsumer::batch) messages at a time (default
+///   10). Messages waiting in a pulled batch are not yet being handled, so their
+///   `ack_wait` runs: keep `batch` × the handler's time well under `ack_wait`.
+/// * With `max_deliver` set on the JetStream consumer, a message whose last allowed
+///   delivery ends in Retry is dead-lettered (copied, then `+TERM`) instead of being
+///   dropped by the server at the next redelivery. Every delivery counts, also those
+///   answered `InProgress` (another consumer held the key), so keep `max_deliver`
+///   well above the handlers' `max_attempts`, or unset.
+/// * [`new`](NatsConsumer::new) requires a dead-letter subject and checks that a
+///   stream captures it: a `+TERM` without a stored copy would lose the message.
+///
 /// A consumer that dies without acking has its messages redelivered after the
 /// consumer's `ack_wait`.
 ///
@@ -55,44 +72,73 @@ impl Payload for NatsMessage {
 /// let stream = js.get_stream("ORDERS").await?;
 /// let durable = pull::Config { durable_name: Some("billing".into()), ..Default::default() };
 /// let pull = stream.get_or_create_consumer("billing", durable).await?;
-/// let mut consumer = NatsConsumer::new(&pull, js).await?.dead_letter_subject("orders.dead");
+/// // A stream must capture "orders.dead".
+/// let mut consumer = NatsConsumer::new(&pull, js, "orders.dead").await?;
 /// while let Some(settled) = consumer.next(handle).await {
 ///     settled?;
 /// }
 /// # Ok(()) }
 /// ```
 pub struct NatsConsumer {
-    messages: Messages,
+    consumer: jetstream::consumer::PullConsumer,
+    messages: Option<Messages>,
     jetstream: jetstream::Context,
-    dead_letter: Option<String>,
+    dead_letter: String,
     retry_delay: Duration,
+    batch: usize,
+    ack_wait: Duration,
+    max_deliver: Option<i64>,
 }
 
 impl NatsConsumer {
-    /// Pulls from `consumer`; `jetstream` publishes dead letters.
+    /// Pulls from `consumer`, dead-lettering to `dead_letter_subject` through
+    /// `jetstream`. Fails if no stream captures that subject.
     pub async fn new(
         consumer: &jetstream::consumer::PullConsumer,
         jetstream: jetstream::Context,
+        dead_letter_subject: impl Into<String>,
     ) -> Result<NatsConsumer, NatsError> {
-        let messages = consumer.messages().await?;
+        let dead_letter = dead_letter_subject.into();
+        if let Err(error) = jetstream.stream_by_subject(dead_letter.clone()).await {
+            return Err(format!(
+                "no JetStream stream captures the dead-letter subject `{dead_letter}` ({error}): \
+                 a dead letter would be lost; add the subject to a stream"
+            )
+            .into());
+        }
+        let config = &consumer.cached_info().config;
+        let max_deliver = Some(config.max_deliver).filter(|&n| n > 0);
+        if let Some(n) = max_deliver {
+            tracing::warn!(
+                max_deliver = n,
+                "the JetStream consumer has max_deliver set: every delivery counts, also those \
+                 answered InProgress; a message still left for retry at its last delivery is \
+                 dead-lettered"
+            );
+        }
         Ok(NatsConsumer {
-            messages,
+            consumer: consumer.clone(),
+            messages: None,
             jetstream,
-            dead_letter: None,
+            dead_letter,
             retry_delay: Duration::from_secs(1),
+            batch: 10,
+            ack_wait: config.ack_wait,
+            max_deliver,
         })
-    }
-
-    /// Publishes dead-lettered messages to `subject` (a stream should capture it)
-    /// before terminating them.
-    pub fn dead_letter_subject(mut self, subject: impl Into<String>) -> Self {
-        self.dead_letter = Some(subject.into());
-        self
     }
 
     /// How long the server waits before redelivering a message left for retry.
     pub fn retry_delay(mut self, delay: Duration) -> Self {
         self.retry_delay = delay;
+        self
+    }
+
+    /// How many messages one pull asks for; default 10. See the type's documentation
+    /// for how it relates to `ack_wait`.
+    pub fn batch(mut self, messages: usize) -> Self {
+        self.batch = messages.max(1);
+        self.messages = None;
         self
     }
 
@@ -104,31 +150,63 @@ impl NatsConsumer {
         Fut: Future<Output = R>,
         R: DispositionExt,
     {
-        let message = match self.messages.next().await? {
+        if self.messages.is_none() {
+            let pull = self.consumer.stream().max_messages_per_batch(self.batch);
+            match pull.messages().await {
+                Ok(messages) => self.messages = Some(messages),
+                Err(e) => return Some(Err(e.into())),
+            }
+        }
+        let message = match self.messages.as_mut()?.next().await? {
             Ok(message) => message,
             Err(e) => return Some(Err(e.into())),
         };
+        let last_delivery = match (self.max_deliver, message.info()) {
+            (Some(max), Ok(info)) => info.delivered >= max,
+            _ => false,
+        };
+        let source = message.info().ok().map(|info| info.stream_sequence);
         let (message, acker) = message.split();
         let message = NatsMessage {
             subject: message.subject.to_string(),
             payload: message.payload,
             headers: message.headers,
         };
-        let dead_copy = self.dead_letter.as_ref().map(|_| message.clone());
-        let disposition = handler(message).await.disposition();
+        let copy = message.clone();
+        let handled = handler(message);
+        let progress = async {
+            let period = (self.ack_wait / 3).max(Duration::from_millis(10));
+            loop {
+                tokio::time::sleep(period).await;
+                if let Err(error) = acker.ack_with(AckKind::Progress).await {
+                    tracing::warn!(%error, "signalling work in progress failed");
+                }
+            }
+        };
+        let disposition = tokio::select! {
+            biased;
+            result = handled => result.disposition(),
+            never = progress => never,
+        };
+        // The server would drop a message left for retry at its last delivery.
+        let disposition = match disposition {
+            Disposition::Retry if last_delivery => Disposition::DeadLetter,
+            other => other,
+        };
         let settled: Result<(), NatsError> = async {
             match disposition {
                 Disposition::Ack => acker.ack().await?,
                 Disposition::Retry => acker.ack_with(AckKind::Nak(Some(self.retry_delay))).await?,
                 Disposition::DeadLetter => {
-                    if let (Some(subject), Some(copy)) = (&self.dead_letter, dead_copy) {
-                        let headers = dead_letter_headers(copy.headers.as_ref());
-                        let publish = self
-                            .jetstream
-                            .publish_with_headers(subject.clone(), headers, copy.payload)
-                            .await?;
-                        publish.await?;
+                    let mut headers = dead_letter_headers(copy.headers.as_ref());
+                    headers.insert("Idempotent-Source-Subject", copy.subject.as_str());
+                    if let Some(sequence) = source {
+                        headers.insert("Idempotent-Source-Sequence", sequence.to_string().as_str());
                     }
+                    let subject = self.dead_letter.clone();
+                    let publish =
+                        self.jetstream.publish_with_headers(subject, headers, copy.payload).await?;
+                    publish.await?;
                     acker.ack_with(AckKind::Term).await?
                 }
             }
@@ -145,10 +223,10 @@ impl NatsConsumer {
 fn dead_letter_headers(original: Option<&HeaderMap>) -> HeaderMap {
     let mut headers = HeaderMap::new();
     for (name, values) in original.into_iter().flat_map(HeaderMap::iter) {
-        let name: &str = name.as_ref();
-        if !name.to_ascii_lowercase().starts_with("nats-") {
+        let text: &str = name.as_ref();
+        if !text.to_ascii_lowercase().starts_with("nats-") {
             for value in values {
-                headers.append(name, value.as_str());
+                headers.append(name.clone(), value.clone());
             }
         }
     }

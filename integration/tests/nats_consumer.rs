@@ -1,0 +1,174 @@
+//! The NATS JetStream consumer's own guarantees, with plain handlers whose runs are
+//! counted: a handler longer than `ack_wait` is not redelivered meanwhile, a pulled
+//! batch does not outwait `ack_wait`, a message's last allowed delivery is
+//! dead-lettered instead of dropped, and a dead-letter subject no stream captures is
+//! an error at start-up.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use async_nats::jetstream::{self, consumer::pull, stream};
+use idempotent::consume::nats::{NatsConsumer, NatsMessage};
+use idempotent::testing;
+use idempotent::{Disposition, Error, Outcome};
+
+type Settled = Result<Outcome<()>, Error<std::io::Error>>;
+
+async fn connect() -> Option<async_nats::Client> {
+    let url = std::env::var("NATS_URL").unwrap_or_else(|_| "127.0.0.1:4222".into());
+    match async_nats::connect(&url).await {
+        Ok(c) => Some(c),
+        Err(e) => {
+            assert!(std::env::var_os("CI").is_none(), "CI needs NATS at {url}: {e}");
+            eprintln!("skipped: no NATS at {url} ({e})");
+            None
+        }
+    }
+}
+
+/// A stream `{name}` on `{name}.orders` and `{name}.dead`, and a durable pull
+/// consumer on the orders with `config`.
+struct Setup {
+    js: jetstream::Context,
+    name: String,
+    durable: jetstream::consumer::PullConsumer,
+}
+
+impl Setup {
+    async fn new(config: pull::Config) -> Option<Setup> {
+        let js = jetstream::new(connect().await?);
+        let name = testing::fresh_key("nats").namespace().replace('-', "_");
+        let subjects = vec![format!("{name}.orders"), format!("{name}.dead")];
+        let created = js.get_or_create_stream(stream::Config {
+            name: name.clone(),
+            subjects,
+            ..Default::default()
+        });
+        let stream = created.await.unwrap();
+        let config = pull::Config {
+            durable_name: Some("c".into()),
+            filter_subject: format!("{name}.orders"),
+            ..config
+        };
+        let durable = stream.get_or_create_consumer("c", config).await.unwrap();
+        Some(Setup { js, name, durable })
+    }
+
+    async fn publish(&self, n: usize) {
+        for i in 0..n {
+            let body = format!(r#"{{"id":{i}}}"#);
+            self.js
+                .publish(format!("{}.orders", self.name), body.into())
+                .await
+                .unwrap()
+                .await
+                .unwrap();
+        }
+    }
+
+    async fn consumer(&self) -> NatsConsumer {
+        NatsConsumer::new(&self.durable, self.js.clone(), format!("{}.dead", self.name))
+            .await
+            .unwrap()
+    }
+
+    /// The last message on the dead-letter subject, if any.
+    async fn dead_letter(&self) -> Option<jetstream::message::StreamMessage> {
+        let stream = self.js.get_stream(&self.name).await.unwrap();
+        stream.get_last_raw_message_by_subject(&format!("{}.dead", self.name)).await.ok()
+    }
+
+    async fn delete(self) {
+        self.js.delete_stream(&self.name).await.unwrap();
+    }
+}
+
+type Runs = Arc<Mutex<HashMap<Vec<u8>, u32>>>;
+
+fn counted(
+    runs: &Runs,
+    pause: Duration,
+) -> impl FnOnce(NatsMessage) -> std::pin::Pin<Box<dyn std::future::Future<Output = Settled> + Send>>
+{
+    let runs = runs.clone();
+    move |m: NatsMessage| {
+        *runs.lock().unwrap().entry(m.payload.to_vec()).or_default() += 1;
+        Box::pin(async move {
+            tokio::time::sleep(pause).await;
+            Settled::Ok(Outcome::Processed(()))
+        })
+    }
+}
+
+/// A handler that runs 2.5× `ack_wait` keeps its message: the consumer signals work
+/// in progress, so the server does not hand the message out again meanwhile.
+#[tokio::test]
+async fn a_handler_longer_than_ack_wait_is_not_redelivered() {
+    let config = pull::Config { ack_wait: Duration::from_secs(1), ..Default::default() };
+    let Some(setup) = Setup::new(config).await else { return };
+    setup.publish(1).await;
+    let mut consumer = setup.consumer().await;
+    let runs = Runs::default();
+    let settled = consumer.next(counted(&runs, Duration::from_millis(2_500))).await;
+    assert_eq!(settled.unwrap().unwrap(), Disposition::Ack);
+    let again =
+        tokio::time::timeout(Duration::from_secs(2), consumer.next(counted(&runs, Duration::ZERO)))
+            .await;
+    assert!(again.is_err(), "the message was delivered again: {runs:?}");
+    assert_eq!(runs.lock().unwrap().values().copied().collect::<Vec<_>>(), vec![1]);
+    setup.delete().await;
+}
+
+/// With a batch of one, messages do not wait in a pulled batch while `ack_wait` runs
+/// out: each of six 300 ms handlers runs once under a 1 s `ack_wait`.
+#[tokio::test]
+async fn a_small_batch_does_not_outwait_ack_wait() {
+    let config = pull::Config { ack_wait: Duration::from_secs(1), ..Default::default() };
+    let Some(setup) = Setup::new(config).await else { return };
+    setup.publish(6).await;
+    let mut consumer = setup.consumer().await.batch(1);
+    let runs = Runs::default();
+    for _ in 0..6 {
+        let settled = consumer.next(counted(&runs, Duration::from_millis(300))).await;
+        assert_eq!(settled.unwrap().unwrap(), Disposition::Ack);
+    }
+    let again = tokio::time::timeout(
+        Duration::from_millis(1_500),
+        consumer.next(counted(&runs, Duration::ZERO)),
+    )
+    .await;
+    assert!(again.is_err(), "a message was delivered again: {runs:?}");
+    assert!(runs.lock().unwrap().values().all(|&n| n == 1), "{runs:?}");
+    setup.delete().await;
+}
+
+/// A message still left for retry at its last allowed delivery (`max_deliver`) is
+/// copied to the dead-letter subject, instead of being dropped by the server.
+#[tokio::test]
+async fn the_last_allowed_delivery_is_dead_lettered() {
+    let config =
+        pull::Config { ack_wait: Duration::from_secs(2), max_deliver: 2, ..Default::default() };
+    let Some(setup) = Setup::new(config).await else { return };
+    setup.publish(1).await;
+    let mut consumer = setup.consumer().await.retry_delay(Duration::from_millis(100));
+    let in_progress = || |_: NatsMessage| async { Settled::Ok(Outcome::InProgress) };
+    assert_eq!(consumer.next(in_progress()).await.unwrap().unwrap(), Disposition::Retry);
+    assert_eq!(consumer.next(in_progress()).await.unwrap().unwrap(), Disposition::DeadLetter);
+    let copy = setup.dead_letter().await.expect("the message was dead-lettered, not dropped");
+    assert_eq!(&copy.payload[..], br#"{"id":0}"#);
+    let source = copy.headers.get("Idempotent-Source-Subject").map(|v| v.as_str().to_owned());
+    assert_eq!(source, Some(format!("{}.orders", setup.name)));
+    setup.delete().await;
+}
+
+/// A dead-letter subject that no stream captures would lose every dead letter: the
+/// consumer refuses to start.
+#[tokio::test]
+async fn an_uncaptured_dead_letter_subject_fails_at_start_up() {
+    let Some(setup) = Setup::new(pull::Config::default()).await else { return };
+    let nowhere = format!("{}-nowhere.dead", setup.name);
+    let started = NatsConsumer::new(&setup.durable, setup.js.clone(), nowhere).await;
+    assert!(started.is_err());
+    setup.delete().await;
+}
