@@ -7,7 +7,7 @@
 
 use std::time::Duration;
 
-use idempotent::consume::kafka::{KafkaConsumer, KafkaMessage};
+use idempotent::consume::kafka::{KafkaConsumer, KafkaContext, KafkaMessage};
 use idempotent::{Classify, Disposition, MemoryStore, idempotent};
 use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
 use rdkafka::config::ClientConfig;
@@ -56,7 +56,8 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
 
     let mut group = config.clone();
     group.set("group.id", "billing").set("enable.auto.commit", "false");
-    let member: StreamConsumer = group.set("auto.offset.reset", "earliest").create()?;
+    let member: StreamConsumer<KafkaContext> =
+        group.set("auto.offset.reset", "earliest").create_with_context(KafkaContext::default())?;
     member.subscribe(&[&topic])?;
     let mut consumer = KafkaConsumer::new(member, producer, &dead);
     let store = MemoryStore::new();

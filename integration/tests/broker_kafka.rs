@@ -7,23 +7,21 @@
 //! be committed before its record is written.
 
 use std::collections::HashSet;
-use std::net::TcpListener;
-use std::process::{Child, Command, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use idempotent::consume::kafka::{KafkaConsumer, KafkaMessage};
+use idempotent::consume::kafka::{KafkaConsumer, KafkaContext, KafkaMessage};
 use idempotent::testing::{self, block_on};
 use idempotent::{MemoryStore, idempotent};
+use kafka::Broker;
 use orders::{Fault, World, order_id};
-use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
-use rdkafka::client::DefaultClientContext;
-use rdkafka::config::ClientConfig;
 use rdkafka::consumer::{BaseConsumer, Consumer, StreamConsumer};
 use rdkafka::message::Message;
 use rdkafka::producer::{FutureProducer, FutureRecord};
 use rdkafka::{Offset, TopicPartitionList};
 
+#[path = "support/kafka.rs"]
+mod kafka;
 mod orders;
 
 const PARTITIONS: i32 = 3;
@@ -38,65 +36,8 @@ async fn handle(
     world.process(order_id(&msg.payload), doomed).await
 }
 
-/// A `tansu` broker of this test's own, keeping everything in memory.
-struct Broker {
-    child: Child,
-    address: String,
-}
-
-impl Broker {
-    fn start() -> Option<Broker> {
-        if Command::new("tansu").arg("--help").output().is_err() {
-            assert!(std::env::var_os("CI").is_none(), "CI needs the tansu broker");
-            eprintln!(
-                "skipped: tansu is not installed (cargo install tansu --locked --features dynostore)"
-            );
-            return None;
-        }
-        let port = TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
-        let url = format!("tcp://127.0.0.1:{port}");
-        let child = Command::new("tansu")
-            .args(["broker", "--listener-url", &url, "--advertised-listener-url", &url])
-            .args(["--storage-engine", "memory://tansu/"])
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap();
-        let address = format!("127.0.0.1:{port}");
-        let deadline = Instant::now() + Duration::from_secs(20);
-        while std::net::TcpStream::connect(&address).is_err() {
-            assert!(Instant::now() < deadline, "tansu did not start");
-            std::thread::sleep(Duration::from_millis(50));
-        }
-        Some(Broker { child, address })
-    }
-
-    fn config(&self) -> ClientConfig {
-        let mut config = ClientConfig::new();
-        config.set("bootstrap.servers", &self.address);
-        config
-    }
-}
-
-impl Drop for Broker {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-fn member(broker: &Broker, topic: &str) -> StreamConsumer {
-    let consumer: StreamConsumer = broker
-        .config()
-        .set("group.id", "billing")
-        .set("enable.auto.commit", "false")
-        .set("auto.offset.reset", "earliest")
-        .set("session.timeout.ms", "6000")
-        .set("heartbeat.interval.ms", "500")
-        .create()
-        .unwrap();
-    consumer.subscribe(&[topic]).unwrap();
-    consumer
+fn member(broker: &Broker, topic: &str) -> StreamConsumer<KafkaContext> {
+    broker.member("billing", topic)
 }
 
 #[test]
@@ -106,15 +47,7 @@ fn two_members_one_killed_every_message_once() {
     block_on(async {
         let topic = testing::fresh_key("orders").namespace().to_owned();
         let dead_topic = format!("{topic}.dead");
-        let admin: AdminClient<DefaultClientContext> = broker.config().create().unwrap();
-        let topics = [
-            NewTopic::new(&topic, PARTITIONS, TopicReplication::Fixed(1)),
-            NewTopic::new(&dead_topic, 1, TopicReplication::Fixed(1)),
-        ];
-        for created in admin.create_topics(&topics, &AdminOptions::new()).await.unwrap() {
-            created.unwrap();
-        }
-
+        broker.create_topics(&[(&topic, PARTITIONS), (&dead_topic, 1)]).await;
         let producer: FutureProducer = broker.config().create().unwrap();
         for id in orders::published() {
             let body = orders::body(id);
