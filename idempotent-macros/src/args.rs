@@ -268,7 +268,12 @@ fn int_literal(expr: &Expr) -> Option<&LitInt> {
     }
 }
 
-/// `600` (seconds) or `"500ms"`, `"10m"`, `"1h30m"`; greater than zero.
+/// The longest `ttl` or `lease`: 100 years, in milliseconds (`Spec::MAX_DURATION` in the
+/// runtime). Longer ones would overflow the stores' expiry times.
+const MAX_DURATION_MS: u64 = 36_500 * 24 * 60 * 60 * 1000;
+
+/// `600` (seconds) or `"500ms"`, `"10m"`, `"1h30m"`; greater than zero, at most 100
+/// years.
 fn duration(expr: &Expr, name: &Ident) -> syn::Result<u64> {
     let what = if name == "ttl" {
         "the time a completed message stays deduplicated"
@@ -293,6 +298,15 @@ fn duration(expr: &Expr, name: &Ident) -> syn::Result<u64> {
         return Err(syn::Error::new(
             expr.span(),
             format!("`{name}` must be greater than 0: it is {what}"),
+        ));
+    }
+    if ms > MAX_DURATION_MS {
+        return Err(syn::Error::new(
+            expr.span(),
+            format!(
+                "`{name}` can be at most 100 years (`\"36500d\"`): the stores keep it as an \
+                 expiry time, and it is {what}"
+            ),
         ));
     }
     Ok(ms)

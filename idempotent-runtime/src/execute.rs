@@ -34,10 +34,19 @@ impl Spec {
     /// could lapse between renewals.
     pub const MIN_LEASE: Duration = Duration::from_millis(30);
 
+    /// The longest `ttl` or `lease` a store is asked to keep: 100 years. Every store
+    /// can hold an expiry that far ahead; `Duration::MAX` could not be.
+    pub const MAX_DURATION: Duration = Duration::from_secs(36_500 * 24 * 60 * 60);
+
     /// Settings with a dedupe window of `ttl`, claims held for `lease` between
     /// renewals, and `max_attempts` attempts. A lease under [`Spec::MIN_LEASE`] is
-    /// raised to it; `max_attempts` is at least 1.
+    /// raised to it; `ttl` and `lease` over [`Spec::MAX_DURATION`] are lowered to it
+    /// (the `#[idempotent]` attribute refuses such values at compile time);
+    /// `max_attempts` is at least 1.
     pub const fn new(ttl: Duration, lease: Duration, max_attempts: u32) -> Spec {
+        let cap = Spec::MAX_DURATION;
+        let ttl = if ttl.as_nanos() > cap.as_nanos() { cap } else { ttl };
+        let lease = if lease.as_nanos() > cap.as_nanos() { cap } else { lease };
         let lease =
             if lease.as_nanos() < Spec::MIN_LEASE.as_nanos() { Spec::MIN_LEASE } else { lease };
         let max_attempts = if max_attempts == 0 { 1 } else { max_attempts };

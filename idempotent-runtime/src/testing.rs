@@ -359,6 +359,19 @@ pub async fn renewal_extends_retention<S: Store + ?Sized>(store: &S) {
     assert!(matches!(claim, Claim::Won { attempt: 2, .. }), "attempt count lost: {claim:?}");
 }
 
+/// Durations no store can hold as an expiry (`Duration::MAX`) are kept as the longest
+/// one a store holds, never an error at every claim or a panic.
+pub async fn huge_durations_are_held<S: Store + ?Sized>(store: &S) {
+    let key = fresh_key("huge");
+    let forever = Duration::MAX;
+    let Claim::Won { token, .. } = store.claim(&key, forever, forever, None).await.unwrap() else {
+        panic!("a fresh key is won")
+    };
+    assert_eq!(store.renew(&key, token, forever, forever).await.unwrap(), Transition::Applied);
+    assert_eq!(store.complete(&key, token, forever, None).await.unwrap(), Transition::Applied);
+    assert_eq!(store.claim(&key, forever, forever, None).await.unwrap(), Claim::Done);
+}
+
 /// Renewal keeps a handler that runs longer than its lease in possession.
 pub async fn renewal_keeps_slow_handler<S: Store + ?Sized>(store: &S) {
     let (key, runs, alerts) = (fresh_key("slow"), AtomicU32::new(0), Alerts::default());
@@ -626,6 +639,7 @@ pub const CASES: &[&str] = &[
     "late_completion_gets_lease_lost",
     "renewal_keeps_slow_handler",
     "renewal_extends_retention",
+    "huge_durations_are_held",
     "concurrent_same_key_runs_once",
     "payload_mismatch_is_refused",
     "cached_result_is_replayed",
@@ -645,7 +659,7 @@ macro_rules! store_suite {
             unfinished_attempts_are_capped, store_unreachable_at_claim,
             store_fails_after_handler, ttl_expiry_forgets, expired_lease_is_fenced,
             late_completion_gets_lease_lost, renewal_keeps_slow_handler,
-            renewal_extends_retention,
+            renewal_extends_retention, huge_durations_are_held,
             payload_mismatch_is_refused, cached_result_is_replayed);
         $crate::store_suite!(@shared $make; concurrent_same_key_runs_once, many_keys_each_once);
     };

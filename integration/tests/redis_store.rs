@@ -43,6 +43,7 @@ fn cluster_passes_the_store_suite() {
         testing::late_completion_gets_lease_lost(&store).await;
         testing::renewal_keeps_slow_handler(&store).await;
         testing::renewal_extends_retention(&store).await;
+        testing::huge_durations_are_held(&store).await;
         let store = Arc::new(store);
         testing::concurrent_same_key_runs_once(store.clone()).await;
         testing::many_keys_each_once(store).await;

@@ -155,6 +155,12 @@ impl Record {
     }
 }
 
+/// `now + d`, with `d` capped at `Spec::MAX_DURATION` so that no duration a caller
+/// passes can overflow the clock.
+fn later(now: Instant, d: Duration) -> Instant {
+    now + d.min(crate::execute::Spec::MAX_DURATION)
+}
+
 #[async_trait]
 impl Store for MemoryStore {
     async fn claim(
@@ -166,8 +172,8 @@ impl Store for MemoryStore {
     ) -> Result<Claim, StoreError> {
         Ok(self.with_record(key, |shard, now| {
             let token = Token::random();
-            let retain_until = now + claim_retention(lease, ttl);
-            let in_progress = State::InProgress { token, lease_until: now + lease };
+            let retain_until = later(now, claim_retention(lease, ttl));
+            let in_progress = State::InProgress { token, lease_until: later(now, lease) };
             let Some(record) = shard.records.get_mut(key.as_bytes()).filter(|r| r.expires_at > now)
             else {
                 let record = Record {
@@ -209,7 +215,7 @@ impl Store for MemoryStore {
     ) -> Result<Transition, StoreError> {
         Ok(self.transition(key, token, |record, now| {
             record.state = State::Done(result.map(Box::from));
-            record.expires_at = now + ttl;
+            record.expires_at = later(now, ttl);
         }))
     }
 
@@ -220,7 +226,7 @@ impl Store for MemoryStore {
     async fn fail(&self, key: &Key, token: Token, ttl: Duration) -> Result<Transition, StoreError> {
         Ok(self.transition(key, token, |record, now| {
             record.state = State::Failed;
-            record.expires_at = now + ttl;
+            record.expires_at = later(now, ttl);
         }))
     }
 
@@ -232,9 +238,9 @@ impl Store for MemoryStore {
         ttl: Duration,
     ) -> Result<Transition, StoreError> {
         Ok(self.transition(key, token, |record, now| {
-            let lease_until = now + lease;
+            let lease_until = later(now, lease);
             record.state = State::InProgress { token, lease_until };
-            record.expires_at = record.expires_at.max(now + claim_retention(lease, ttl));
+            record.expires_at = record.expires_at.max(later(now, claim_retention(lease, ttl)));
         }))
     }
 

@@ -187,7 +187,7 @@ pub trait Store: Send + Sync {
 /// past the claim's own lease, so the attempt count outlives a consumer that died
 /// holding the claim (even when `lease == ttl`). Every store uses this rule.
 pub fn claim_retention(lease: Duration, ttl: Duration) -> Duration {
-    ttl.max(lease) + lease
+    ttl.max(lease).saturating_add(lease)
 }
 
 /// `Store::abandon` for server-backed stores: starts the release on the current Tokio

@@ -288,8 +288,11 @@ fn unavailable(error: RedisError) -> StoreError {
     }
 }
 
+/// Milliseconds for a script argument: at least 1, at most `Spec::MAX_DURATION`
+/// (Redis refuses an expiry past what a 64-bit millisecond clock holds).
 fn millis(d: Duration) -> Vec<u8> {
-    d.as_millis().max(1).to_string().into_bytes()
+    let capped = d.min(crate::execute::Spec::MAX_DURATION);
+    capped.as_millis().max(1).to_string().into_bytes()
 }
 
 #[async_trait]

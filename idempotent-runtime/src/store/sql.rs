@@ -77,9 +77,11 @@ pub(crate) fn is_lock_timeout(error: &sqlx::Error) -> bool {
     matches!(error, sqlx::Error::Database(db) if db.code().as_deref() == Some("55P03"))
 }
 
-/// A duration in whole milliseconds for SQL parameters, at least 1.
+/// A duration in whole milliseconds for SQL parameters: at least 1, at most
+/// `Spec::MAX_DURATION` (a PostgreSQL interval ends at about 178 million years).
 pub(crate) fn millis(d: Duration) -> i64 {
-    i64::try_from(d.as_millis()).unwrap_or(i64::MAX).max(1)
+    let capped = d.min(crate::execute::Spec::MAX_DURATION);
+    i64::try_from(capped.as_millis()).unwrap_or(i64::MAX).max(1)
 }
 
 /// Database errors by SQLSTATE class: serialization failures and deadlocks (40),

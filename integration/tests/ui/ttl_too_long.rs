@@ -1,0 +1,12 @@
+use idempotent::idempotent;
+
+struct Order {
+    order_id: u64,
+}
+
+#[idempotent(key = "order:{order_id}", ttl = "40000d")]
+async fn handle(msg: Order) {
+    let _ = msg.order_id;
+}
+
+fn main() {}
