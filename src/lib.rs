@@ -171,6 +171,7 @@
 //! | process dies mid-handler | claim expires after `lease` | — | redelivery is processed |
 //! | claim won after `max_attempts` unfinished attempts | FAILED, alert | `Err(Abandoned)` | dead-letter |
 //! | store unreachable at claim | unchanged, handler not run | `Err(Store { handler_ran: false })` | redeliver |
+//! | store refuses the record for good (`StoreError::Rejected`: a foreign or unreadable record, a value the database can't hold) | unchanged | `Err(Store { .. })` | dead-letter |
 //!
 //! Every transition after the claim carries the claim's random [`Token`]; a consumer
 //! whose lease ran out can never complete, release or fail the claim of the consumer
