@@ -310,6 +310,7 @@ where
 {
     let Call { spec, key, fingerprint, cache } = call;
     let key = key.map_err(Error::Key)?;
+    let claimed_at = tokio::time::Instant::now();
     let answer = completion.claim(store, &key, &spec, fingerprint.as_ref()).await;
     let (token, attempt) = match answer {
         Ok(Claim::Won { token, attempt }) => (token, attempt),
@@ -328,7 +329,7 @@ where
             return Err(Error::Store { error, handler_ran: false });
         }
     };
-    let claim = HeldClaim { spec, store, key: &key, token };
+    let claim = HeldClaim { spec, store, key: &key, token, claimed_at };
 
     if attempt > spec.max_attempts {
         // Every allowed attempt was started and none finished (each crashed, panicked
@@ -434,6 +435,8 @@ struct HeldClaim<'a, S: ?Sized> {
     store: &'a S,
     key: &'a Key,
     token: Token,
+    /// When the claim was sent: its lease runs at least `spec.lease` from here.
+    claimed_at: tokio::time::Instant,
 }
 
 impl<S: Store + ?Sized> HeldClaim<'_, S> {
@@ -496,24 +499,40 @@ where
     S: Store + ?Sized,
     F: Future,
 {
-    // Renew every third of the lease, each try bounded by that third, so one slow
-    // or failed renewal leaves another chance before the lease runs out.
-    let period = claim.spec.lease / 3;
+    // Renewals are scheduled from the last one that was applied, every third of the
+    // lease. A renewal that fails or times out is tried again at once (after a
+    // thirtieth of the lease), and no wait for an answer outlasts the lease the last
+    // applied renewal granted: one slow renewal must not push the next one past the
+    // lease's end.
+    let lease = claim.spec.lease;
+    let period = lease / 3;
+    let pause = (lease / 30).max(std::time::Duration::from_millis(1));
     let renew = async {
+        let start = claim.claimed_at;
+        let (mut held_until, mut next) = (start + lease, start + period);
         loop {
-            tokio::time::sleep(period).await;
+            tokio::time::sleep_until(next).await;
+            let sent = tokio::time::Instant::now();
+            let budget = held_until.saturating_duration_since(sent).min(period).max(pause);
             let renewal =
                 claim.store.renew(claim.key, claim.token, claim.spec.lease, claim.spec.ttl);
-            match tokio::time::timeout(period, renewal).await {
-                Ok(Ok(Transition::Applied)) => {}
+            match tokio::time::timeout(budget, renewal).await {
+                Ok(Ok(Transition::Applied)) => {
+                    held_until = sent + lease;
+                    next = sent + period;
+                }
                 Ok(Ok(Transition::LeaseLost)) => {
                     tracing::warn!(key = %claim.key, "lease lost while the handler ran");
                     return std::future::pending().await;
                 }
                 Ok(Err(error)) => {
-                    tracing::warn!(key = %claim.key, %error, "lease renewal failed")
+                    tracing::warn!(key = %claim.key, %error, "lease renewal failed; trying again");
+                    next = tokio::time::Instant::now() + pause;
                 }
-                Err(_) => tracing::warn!(key = %claim.key, "lease renewal timed out"),
+                Err(_) => {
+                    tracing::warn!(key = %claim.key, "lease renewal timed out; trying again");
+                    next = tokio::time::Instant::now() + pause;
+                }
             }
         }
     };
