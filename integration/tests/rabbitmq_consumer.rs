@@ -1,13 +1,15 @@
 //! The RabbitMQ consumer's own guarantees: dead letters are published and confirmed
-//! by the consumer, whatever the queue's broker-side settings; a missing dead-letter
-//! queue is an error at start-up; a retry's delay does not hold up other deliveries.
+//! by the consumer, whatever the queue's broker-side settings, and do not expire with
+//! the message's TTL; a missing dead-letter queue is an error at start-up; a retry's
+//! delay does not hold up other deliveries; a `next` dropped mid-handler requeues its
+//! delivery.
 
 use std::time::{Duration, Instant};
 
 use idempotent::consume::rabbitmq::{RabbitConsumer, RabbitMessage};
 use idempotent::testing;
 use idempotent::{Disposition, Error, Outcome};
-use lapin::options::{BasicGetOptions, BasicPublishOptions, QueueDeclareOptions};
+use lapin::options::{BasicGetOptions, BasicPublishOptions, BasicQosOptions, QueueDeclareOptions};
 use lapin::types::{AMQPValue, FieldTable};
 use lapin::{BasicProperties, Channel, Connection, ConnectionProperties};
 
@@ -36,18 +38,30 @@ async fn plain_queue(channel: &Channel, name: &str) {
 }
 
 async fn publish(channel: &Channel, queue: &str, body: &str) {
+    publish_with(channel, queue, body, BasicProperties::default()).await;
+}
+
+async fn publish_with(channel: &Channel, queue: &str, body: &str, properties: BasicProperties) {
     channel
         .basic_publish(
             "".into(),
             queue.into(),
             BasicPublishOptions::default(),
             body.as_bytes(),
-            BasicProperties::default(),
+            properties,
         )
         .await
         .unwrap()
         .await
         .unwrap();
+}
+
+fn terminal() -> Settled {
+    Settled::Err(Error::Terminal {
+        error: std::io::ErrorKind::InvalidData.into(),
+        attempt: 1,
+        exhausted: false,
+    })
 }
 
 /// On a queue without a dead-letter exchange, where a reject would discard the
@@ -65,17 +79,7 @@ async fn dead_letters_reach_their_queue_without_a_broker_side_exchange() {
             .await
             .unwrap();
     publish(&channel, &queue, r#"{"id":1}"#).await;
-    let settled = consumer
-        .next(|_: RabbitMessage| async {
-            Settled::Err(Error::Terminal {
-                error: std::io::ErrorKind::InvalidData.into(),
-                attempt: 1,
-                exhausted: false,
-            })
-        })
-        .await
-        .unwrap()
-        .unwrap();
+    let settled = consumer.next(|_: RabbitMessage| async { terminal() }).await.unwrap().unwrap();
     assert_eq!(settled, Disposition::DeadLetter);
     let copy = channel
         .basic_get(dead.as_str().into(), BasicGetOptions { no_ack: true })
@@ -137,4 +141,79 @@ async fn a_retry_delay_does_not_hold_up_other_deliveries() {
     .expect("the retried delivery came back");
     assert_eq!(again.unwrap().unwrap(), Disposition::Ack);
     assert!(started.elapsed() >= Duration::from_secs(3), "requeued before its delay");
+}
+
+#[tokio::test]
+async fn a_dead_letter_does_not_inherit_the_message_ttl() {
+    let Some((_connection, channel)) = open().await else { return };
+    let queue = testing::fresh_key("rabbit-ttl").namespace().to_owned();
+    let dead = format!("{queue}.dead");
+    plain_queue(&channel, &queue).await;
+    plain_queue(&channel, &dead).await;
+    let (_c, consumer_channel) = open().await.unwrap();
+    let mut consumer = RabbitConsumer::new(&consumer_channel, &queue, "c").await.unwrap();
+
+    // A message that must be handled within a minute, say; it is handled at once.
+    let properties = BasicProperties::default().with_expiration("1500".into());
+    publish_with(&channel, &queue, r#"{"id":1}"#, properties).await;
+    let settled = consumer.next(|_: RabbitMessage| async { terminal() }).await.unwrap().unwrap();
+    assert_eq!(settled, Disposition::DeadLetter);
+
+    // The original is acked; the dead letter is all that is left of the message.
+    tokio::time::sleep(Duration::from_millis(2500)).await;
+    let copy =
+        channel.basic_get(dead.as_str().into(), BasicGetOptions { no_ack: true }).await.unwrap();
+    assert!(
+        copy.is_some(),
+        "the dead letter expired in `{dead}`: it kept the original's `expiration` property, \
+         and the original was acked, so the message is gone"
+    );
+}
+
+#[tokio::test]
+async fn a_dropped_next_requeues_its_delivery() {
+    let Some((_connection, channel)) = open().await else { return };
+    let queue = testing::fresh_key("rabbit-drop").namespace().to_owned();
+    plain_queue(&channel, &queue).await;
+    plain_queue(&channel, &format!("{queue}.dead")).await;
+    let (_c, consumer_channel) = open().await.unwrap();
+    consumer_channel.basic_qos(10, BasicQosOptions::default()).await.unwrap();
+    let mut consumer = RabbitConsumer::new(&consumer_channel, &queue, "c").await.unwrap();
+
+    publish(&channel, &queue, "slow").await;
+    // The consumer gives each message a second; this one's handler is slow that time
+    // (a store that is slow to answer), so the call is cancelled.
+    let first = tokio::time::timeout(
+        Duration::from_secs(1),
+        consumer.next(|_: RabbitMessage| async {
+            tokio::time::sleep(Duration::from_secs(30)).await;
+            Settled::Ok(Outcome::Processed(()))
+        }),
+    )
+    .await;
+    assert!(first.is_err(), "the first call was cancelled");
+
+    // The consumer goes on. The message must come back to be handled.
+    let mut seen = Vec::new();
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(8);
+    while tokio::time::Instant::now() < deadline {
+        let next = tokio::time::timeout(
+            Duration::from_millis(500),
+            consumer.next(|m: RabbitMessage| async move {
+                assert_eq!(m.body, b"slow");
+                Settled::Ok(Outcome::Processed(()))
+            }),
+        )
+        .await;
+        if let Ok(Some(settled)) = next {
+            seen.push(settled.unwrap());
+            break;
+        }
+    }
+    assert_eq!(
+        seen,
+        vec![Disposition::Ack],
+        "the delivery of the cancelled call was never settled nor redelivered: it stays \
+         unacked on the live channel for ever"
+    );
 }

@@ -171,6 +171,9 @@ impl RabbitConsumer {
             Ok(delivery) => delivery,
             Err(e) => return Some(Err(e)),
         };
+        // Until it is settled, a dropped call (a timeout, a `select!`) requeues the
+        // delivery instead of leaving it unacked on a channel that stays open.
+        let mut unsettled = Unsettled(Some(delivery.acker.clone()));
         let acker = delivery.acker.clone();
         let message = RabbitMessage {
             body: delivery.data,
@@ -180,7 +183,18 @@ impl RabbitConsumer {
         };
         let copy = message.clone();
         let disposition = handler(message).await.disposition();
-        let settled = match disposition {
+        let settled = self.settle(acker, disposition, copy).await;
+        unsettled.0 = None;
+        Some(settled.map(|()| disposition))
+    }
+
+    async fn settle(
+        &self,
+        acker: lapin::Acker,
+        disposition: Disposition,
+        copy: RabbitMessage,
+    ) -> lapin::Result<()> {
+        match disposition {
             Disposition::Ack => sent(acker.ack(BasicAckOptions::default()).await),
             Disposition::Retry => {
                 let delay = self.retry_delay;
@@ -201,8 +215,7 @@ impl RabbitConsumer {
                     Err(error)
                 }
             },
-        };
-        Some(settled.map(|()| disposition))
+        }
     }
 
     /// Publishes `message` to the dead-letter queue and waits for the broker to
@@ -217,7 +230,7 @@ impl RabbitConsumer {
             "x-idempotent-source-routing-key".into(),
             AMQPValue::LongString(message.routing_key.clone().into()),
         );
-        let properties = message.properties.with_headers(headers);
+        let properties = dead_letter_properties(&message.properties, headers);
         let options = BasicPublishOptions { mandatory: true, immediate: false };
         let confirm = self
             .channel
@@ -239,6 +252,63 @@ impl RabbitConsumer {
                     .to_owned(),
             )),
         }
+    }
+}
+
+/// The delivery's properties for its dead-letter copy: persistent, without the
+/// `expiration` (a per-message TTL would let the copy expire in the dead-letter queue
+/// after the original was acked) and without the `user_id` (the broker refuses one
+/// that is not the publishing connection's user), with `headers`.
+fn dead_letter_properties(original: &BasicProperties, headers: FieldTable) -> BasicProperties {
+    let mut copy = BasicProperties::default().with_headers(headers).with_delivery_mode(2);
+    let text = |value: &Option<lapin::types::ShortString>| value.clone();
+    if let Some(v) = text(original.content_type()) {
+        copy = copy.with_content_type(v);
+    }
+    if let Some(v) = text(original.content_encoding()) {
+        copy = copy.with_content_encoding(v);
+    }
+    if let Some(v) = *original.priority() {
+        copy = copy.with_priority(v);
+    }
+    if let Some(v) = text(original.correlation_id()) {
+        copy = copy.with_correlation_id(v);
+    }
+    if let Some(v) = text(original.reply_to()) {
+        copy = copy.with_reply_to(v);
+    }
+    if let Some(v) = text(original.message_id()) {
+        copy = copy.with_message_id(v);
+    }
+    if let Some(v) = *original.timestamp() {
+        copy = copy.with_timestamp(v);
+    }
+    if let Some(v) = text(original.kind()) {
+        copy = copy.with_type(v);
+    }
+    if let Some(v) = text(original.app_id()) {
+        copy = copy.with_app_id(v);
+    }
+    if let Some(v) = text(original.cluster_id()) {
+        copy = copy.with_cluster_id(v);
+    }
+    copy
+}
+
+/// A delivery handed to a handler and not settled yet; dropped unsettled, it is
+/// requeued from a task of its own.
+struct Unsettled(Option<lapin::Acker>);
+
+impl Drop for Unsettled {
+    fn drop(&mut self) {
+        let Some(acker) = self.0.take() else { return };
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else { return };
+        runtime.spawn(async move {
+            let requeue = BasicNackOptions { multiple: false, requeue: true };
+            if let Err(error) = sent(acker.nack(requeue).await) {
+                tracing::warn!(%error, "requeueing a dropped delivery failed; the broker redelivers it when the channel closes");
+            }
+        });
     }
 }
 
