@@ -9,7 +9,9 @@ use std::sync::OnceLock;
 
 use crate::AlreadySet;
 
-/// A message that failed for good: its key is recorded as FAILED.
+/// A message that failed for good: its key is recorded as FAILED. Handed to the
+/// process-wide sink ([`set_alert_sink`], which has an example) or to a handler's
+/// `on_terminal` hook.
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct TerminalEvent {
@@ -25,7 +27,8 @@ pub struct TerminalEvent {
     pub error: String,
 }
 
-/// Receives every terminal failure of handlers without their own `on_terminal` hook.
+/// Receives every terminal failure of handlers without their own `on_terminal` hook;
+/// install one with [`set_alert_sink`] (see its example).
 ///
 /// Called on the consumer's task: hand the event off (a channel, a non-blocking
 /// client) rather than block. Closures `Fn(&TerminalEvent)` are sinks.

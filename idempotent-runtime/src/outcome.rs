@@ -3,6 +3,23 @@
 use crate::Error;
 
 /// What happened to a message whose call did not fail.
+///
+/// ```
+/// use idempotent_runtime::{Disposition, Outcome};
+///
+/// fn log(outcome: &Outcome<u64>) -> String {
+///     match outcome {
+///         Outcome::Processed(receipt) => format!("charged, receipt {receipt}"),
+///         Outcome::Replayed(receipt) => format!("already charged, receipt {receipt}"),
+///         Outcome::Duplicate => "already charged".to_owned(),
+///         Outcome::InProgress => "being charged by another consumer".to_owned(),
+///     }
+/// }
+///
+/// assert_eq!(log(&Outcome::Processed(7)), "charged, receipt 7");
+/// assert_eq!(Outcome::<u64>::InProgress.disposition(), Disposition::Retry);
+/// assert_eq!(Outcome::Processed(7).map(|r| r + 1).into_value(), Some(8));
+/// ```
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[must_use = "an Outcome says whether the handler ran; a consumer acks on `disposition()`"]
 pub enum Outcome<T> {

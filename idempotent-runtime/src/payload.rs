@@ -98,7 +98,18 @@ impl<T: Payload + ?Sized> Payload for Arc<T> {
     }
 }
 
-/// A payload parsed once per call, for all of a key's pointer placeholders.
+/// A payload parsed once per call, for all of a key's pointer placeholders; see
+/// [`KeyBuilder::pointer`](crate::KeyBuilder::pointer).
+///
+/// ```
+/// use idempotent_runtime::{Document, KeyBuilder};
+///
+/// let body = br#"{"order": {"id": 42}}"#;
+/// let document = Document::of(&body[..]);
+/// let mut key = KeyBuilder::new("orders");
+/// key.pointer("/order/id", &document);
+/// assert_eq!(key.finish().unwrap().as_bytes(), b"orders:42");
+/// ```
 pub struct Document<'a> {
     parsed: Result<Cow<'a, Value>, String>,
 }
@@ -191,6 +202,16 @@ pub(crate) fn render(value: &Value, pointer: &str, out: &mut String) -> Result<(
 /// object keys sorted by their UTF-8 bytes, numbers as `serde_json` prints them.
 /// Byte payloads (`&[u8]`, `Vec<u8>`, strings, `Bytes`, broker bodies) are hashed as
 /// they are: a redelivery carries the same bytes.
+///
+/// ```
+/// use idempotent_runtime::Fingerprint;
+/// use idempotent_runtime::serde_json::json;
+///
+/// let a = Fingerprint::of(&json!({"id": 7, "amount": 500}));
+/// let b = Fingerprint::of(&json!({"amount": 500, "id": 7}));
+/// assert_eq!(a, b, "key order does not matter for JSON values");
+/// assert_ne!(Fingerprint::of(&b"{\"id\":7}"[..]), Fingerprint::of(&b"{\"id\": 7}"[..]));
+/// ```
 #[derive(Clone, Copy, PartialEq, Eq, Hash)]
 pub struct Fingerprint([u8; 32]);
 

@@ -29,6 +29,14 @@ mod sql;
 /// store applies the transition only while the record still holds the same token, so
 /// a consumer whose lease ran out can never complete, release or fail the claim of
 /// the consumer that took over. Random, 128 bits; usable as a fencing token.
+///
+/// ```
+/// use idempotent_runtime::Token;
+///
+/// let token = Token::from_u128(0xfeed);
+/// assert_eq!(token.to_string(), "0000000000000000000000000000feed");
+/// assert_ne!(Token::random(), Token::random());
+/// ```
 #[derive(Clone, Copy, PartialEq, Eq, Hash)]
 pub struct Token(u128);
 
