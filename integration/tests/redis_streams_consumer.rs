@@ -96,9 +96,16 @@ fn a_slow_batch_keeps_its_entries() {
                 }
             }
         };
-        // 4 entries × 400 ms: the last is handled 1.2 s after the read.
-        let working = slow.poll(count(runs.clone(), Duration::from_millis(400)));
+        // 4 entries × 400 ms: the last is handled 1.2 s after the read. The rival
+        // starts once the slow consumer holds the batch, so it can only reclaim.
+        let started = tokio::sync::Notify::new();
+        let counting = count(runs.clone(), Duration::from_millis(400));
+        let working = slow.poll(|m| {
+            started.notify_one();
+            counting(m)
+        });
         let poaching = async {
+            started.notified().await;
             let until = Instant::now() + Duration::from_millis(2_000);
             while Instant::now() < until {
                 rival.poll(count(runs.clone(), Duration::ZERO)).await.unwrap();
