@@ -1,7 +1,9 @@
 //! The Redis Streams consumer's own guarantees, with plain handlers whose runs are
 //! counted: quiet polls are not errors and lose nothing, a slow batch keeps its
 //! entries from other consumers, a dead letter is copied only by the entry's owner,
-//! and a zero block time does not wait for ever.
+//! a zero block time does not wait for ever, and entries a producer can write but
+//! that are awkward to parse or copy (binary field names, thousands of fields) are
+//! settled like any other instead of stalling the consumer.
 
 mod support;
 
@@ -9,7 +11,7 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use idempotent::consume::redis_streams::{StreamConsumer, StreamMessage};
+use idempotent::consume::redis_streams::{Polled, StreamConsumer, StreamMessage};
 use idempotent::testing::{self, block_on};
 use idempotent::{Error, Outcome};
 use redis::aio::ConnectionManager;
@@ -34,6 +36,27 @@ async fn publish(conn: &mut ConnectionManager, stream: &str, n: usize) {
             .query_async(conn)
             .await
             .unwrap();
+    }
+}
+
+async fn xadd(conn: &mut ConnectionManager, stream: &str, fields: &[(&[u8], &[u8])]) -> String {
+    let mut cmd = redis::cmd("XADD");
+    cmd.arg(stream).arg("*");
+    for (k, v) in fields {
+        cmd.arg(*k).arg(*v);
+    }
+    cmd.query_async(conn).await.unwrap()
+}
+
+async fn pending(conn: &mut ConnectionManager, stream: &str) -> i64 {
+    let reply: redis::Value =
+        redis::cmd("XPENDING").arg(stream).arg("g").query_async(conn).await.unwrap();
+    match reply {
+        redis::Value::Array(items) => match items.first() {
+            Some(redis::Value::Int(n)) => *n,
+            _ => -1,
+        },
+        _ => -1,
     }
 }
 
@@ -182,4 +205,102 @@ fn a_zero_block_time_does_not_wait_for_ever() {
         assert_eq!(polled.expect("the read blocked").unwrap(), Default::default());
         delete(&mut conn, &[&stream]).await;
     });
+}
+
+#[tokio::test]
+async fn an_entry_with_a_binary_field_name_does_not_stall_the_consumer() {
+    let Some((stream, mut conn, client)) = stream().await else { return };
+    let consumer = StreamConsumer::new(&client, &stream, "g", "c1")
+        .await
+        .unwrap()
+        .reclaim_idle(Duration::from_millis(200))
+        .block(Duration::from_millis(50));
+    xadd(&mut conn, &stream, &[(b"payload", br#"{"id":1}"#), (b"trace-\xff", b"x")]).await;
+    let good = xadd(&mut conn, &stream, &[(b"payload", br#"{"id":2}"#)]).await;
+    let later = xadd(&mut conn, &stream, &[(b"payload", br#"{"id":3}"#)]).await;
+
+    let mut settled = Polled::default();
+    let mut errors = Vec::new();
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+    while tokio::time::Instant::now() < deadline {
+        match consumer
+            .poll(|m: StreamMessage| async move {
+                let _ = m;
+                Settled::Err(Error::Terminal {
+                    error: std::io::ErrorKind::InvalidData.into(),
+                    attempt: 1,
+                    exhausted: false,
+                })
+            })
+            .await
+        {
+            Ok(p) => {
+                settled.acked.extend(p.acked);
+                settled.dead_lettered.extend(p.dead_lettered);
+            }
+            Err(e) => errors.push(e.to_string()),
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let left = pending(&mut conn, &stream).await;
+    let _: () = redis::cmd("DEL")
+        .arg(&stream)
+        .arg(format!("{stream}:dead"))
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    errors.dedup();
+    assert!(
+        settled.dead_lettered.contains(&good) && settled.dead_lettered.contains(&later),
+        "after 5 s of polling, entries {good} and {later} (ordinary ones) were never handed \
+         to the handler; {left} entries still pending; settled {settled:?}; poll errors: {errors:?}"
+    );
+}
+
+#[tokio::test]
+async fn an_entry_with_many_fields_is_dead_lettered() {
+    let Some((stream, mut conn, client)) = stream().await else { return };
+    let consumer = StreamConsumer::new(&client, &stream, "g", "c1")
+        .await
+        .unwrap()
+        .reclaim_idle(Duration::from_millis(200))
+        .block(Duration::from_millis(50));
+    let names: Vec<String> = (0..4100).map(|i| format!("attr{i}")).collect();
+    let mut fields: Vec<(&[u8], &[u8])> = vec![(b"payload", br#"{"id":1}"#)];
+    fields.extend(names.iter().map(|n| (n.as_bytes(), b"v".as_slice())));
+    let id = xadd(&mut conn, &stream, &fields).await;
+
+    let mut dead_lettered = Vec::new();
+    let mut errors = Vec::new();
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(3);
+    while tokio::time::Instant::now() < deadline && dead_lettered.is_empty() {
+        match consumer
+            .poll(|_: StreamMessage| async {
+                Settled::Err(Error::Terminal {
+                    error: std::io::ErrorKind::InvalidData.into(),
+                    attempt: 1,
+                    exhausted: false,
+                })
+            })
+            .await
+        {
+            Ok(p) => dead_lettered.extend(p.dead_lettered),
+            Err(e) => errors.push(e.to_string()),
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let left = pending(&mut conn, &stream).await;
+    let _: () = redis::cmd("DEL")
+        .arg(&stream)
+        .arg(format!("{stream}:dead"))
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    errors.dedup();
+    assert_eq!(
+        dead_lettered,
+        vec![id],
+        "the entry was never dead-lettered ({left} pending); poll errors: {:?}",
+        errors.first()
+    );
 }

@@ -5,7 +5,6 @@ use std::future::Future;
 use std::time::Duration;
 
 use redis::aio::ConnectionManager;
-use redis::streams::{StreamAutoClaimReply, StreamId, StreamReadReply};
 use redis::{RedisResult, Value};
 
 use crate::{Disposition, DispositionExt, Payload, PayloadRef};
@@ -18,18 +17,23 @@ pub const DEFAULT_PAYLOAD_FIELD: &str = "payload";
 pub struct StreamMessage {
     /// The entry's id.
     pub id: String,
-    /// All fields of the entry.
+    /// The entry's fields, names read as UTF-8 (lossily: Redis field names are
+    /// binary). A name given twice keeps its last value here; the dead-letter copy
+    /// keeps every field exactly as it was.
     pub fields: HashMap<String, Vec<u8>>,
-    /// How many times the group has delivered the entry (1 on first delivery; known
-    /// for reclaimed entries).
+    /// How many times the group has delivered the entry: 1 for a new entry, `None`
+    /// for a reclaimed one (Redis does not say).
     pub delivery_count: Option<usize>,
     payload_field: String,
+    /// The fields exactly as Redis holds them, in order.
+    raw: Vec<(Vec<u8>, Vec<u8>)>,
 }
 
 impl StreamMessage {
     /// The payload field's bytes (empty when the entry has none).
     pub fn body(&self) -> &[u8] {
-        self.fields.get(&self.payload_field).map_or(&[], Vec::as_slice)
+        let field = self.payload_field.as_bytes();
+        self.raw.iter().rev().find(|(name, _)| name == field).map_or(&[], |(_, v)| v.as_slice())
     }
 }
 
@@ -114,14 +118,18 @@ pub struct StreamConsumer {
     cursor: std::sync::Arc<std::sync::Mutex<String>>,
 }
 
-/// Copies an entry to the dead-letter stream and acks it, atomically, and only while
-/// the entry is pending for this consumer: if another consumer took it over, nothing
-/// is copied or acked (returns 0). KEYS: stream, dead-letter stream. ARGV: group,
-/// consumer, id, then field/value pairs.
+/// Settles an entry whose copy is already on the dead-letter stream: acks it if it is
+/// still pending for this consumer (returns 1), else deletes the copy, since another
+/// consumer took the entry over (returns 0). KEYS: stream, dead-letter stream. ARGV:
+/// group, consumer, entry id, copy id. (The copy is added by the client beforehand,
+/// with no limit on the number of fields; a consumer that dies between the two leaves
+/// a second copy at worst, never an ack without one.)
 const DEAD_LETTER_SCRIPT: &str = r"
 local mine = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[3], ARGV[3], 1, ARGV[2])
-if #mine == 0 then return 0 end
-redis.call('XADD', KEYS[2], '*', unpack(ARGV, 4))
+if #mine == 0 then
+  redis.call('XDEL', KEYS[2], ARGV[4])
+  return 0
+end
 return redis.call('XACK', KEYS[1], ARGV[1], ARGV[3])
 ";
 
@@ -238,7 +246,7 @@ impl StreamConsumer {
             for entry in entries {
                 let message = self.message(entry);
                 let id = message.id.clone();
-                let fields = message.fields.clone();
+                let fields = message.raw.clone();
                 match handler(message).await.disposition() {
                     Disposition::Ack => {
                         self.ack(&id).await?;
@@ -275,10 +283,10 @@ impl StreamConsumer {
         }
     }
 
-    async fn reclaim(&self) -> RedisResult<Vec<StreamId>> {
+    async fn reclaim(&self) -> RedisResult<Vec<Entry>> {
         let start = self.cursor.lock().map(|c| c.clone()).unwrap_or_else(|_| "0-0".to_owned());
         let start = if start.is_empty() { "0-0".to_owned() } else { start };
-        let reply: StreamAutoClaimReply = redis::cmd("XAUTOCLAIM")
+        let reply: Value = redis::cmd("XAUTOCLAIM")
             .arg(&self.stream)
             .arg(&self.group)
             .arg(&self.consumer)
@@ -288,13 +296,17 @@ impl StreamConsumer {
             .arg(self.batch)
             .query_async(&mut self.commands.clone())
             .await?;
-        if let Ok(mut cursor) = self.cursor.lock() {
-            *cursor = reply.next_stream_id;
+        // [next cursor, [entries], [deleted ids]]
+        let parts = items(reply);
+        let cursor = parts.first().and_then(text).unwrap_or_default();
+        let entries = parts.into_iter().nth(1).map(entries).unwrap_or_default();
+        if let Ok(mut saved) = self.cursor.lock() {
+            *saved = cursor;
         }
-        Ok(reply.claimed)
+        Ok(entries.into_iter().map(|e| Entry { delivery_count: None, ..e }).collect())
     }
 
-    async fn read(&self) -> RedisResult<Vec<StreamId>> {
+    async fn read(&self) -> RedisResult<Vec<Entry>> {
         let mut read = redis::cmd("XREADGROUP");
         read.arg("GROUP").arg(&self.group).arg(&self.consumer).arg("COUNT").arg(self.batch);
         if !self.block.is_zero() {
@@ -304,8 +316,13 @@ impl StreamConsumer {
         let reader = (self.reader)
             .get_or_try_init(|| connect(&self.client, self.block + COMMAND_TIMEOUT))
             .await?;
-        let reply: Option<StreamReadReply> = read.query_async(&mut reader.clone()).await?;
-        Ok(reply.into_iter().flat_map(|r| r.keys).flat_map(|k| k.ids).collect())
+        let reply: Value = read.query_async(&mut reader.clone()).await?;
+        // [[stream, [entries]]] (a map of stream to entries under RESP3), or nil.
+        let streams: Vec<Value> = match reply {
+            Value::Map(pairs) => pairs.into_iter().map(|(_, entries)| entries).collect(),
+            other => items(other).into_iter().filter_map(|s| items(s).into_iter().nth(1)).collect(),
+        };
+        Ok(streams.into_iter().flat_map(entries).collect())
     }
 
     async fn touch(&self, ids: &[String]) -> RedisResult<()> {
@@ -323,21 +340,16 @@ impl StreamConsumer {
         Ok(())
     }
 
-    fn message(&self, entry: StreamId) -> StreamMessage {
-        let fields = entry
-            .map
-            .into_iter()
-            .filter_map(|(k, v)| match v {
-                Value::BulkString(bytes) => Some((k, bytes)),
-                Value::SimpleString(s) => Some((k, s.into_bytes())),
-                _ => None,
-            })
+    fn message(&self, entry: Entry) -> StreamMessage {
+        let fields = (entry.fields.iter())
+            .map(|(name, value)| (String::from_utf8_lossy(name).into_owned(), value.clone()))
             .collect();
         StreamMessage {
             id: entry.id,
             fields,
-            delivery_count: entry.delivered_count,
+            delivery_count: entry.delivery_count,
             payload_field: self.payload_field.clone(),
+            raw: entry.fields,
         }
     }
 
@@ -350,21 +362,83 @@ impl StreamConsumer {
             .await
     }
 
-    /// Copies the entry to the dead-letter stream and acks it; `false` when the entry
-    /// is no longer this consumer's (another one took it over), which changes nothing.
-    async fn dead_letter(&self, id: &str, fields: HashMap<String, Vec<u8>>) -> RedisResult<bool> {
+    /// Copies the entry to the dead-letter stream, then acks it; `false` when the entry
+    /// is no longer this consumer's (another one took it over): the copy is deleted
+    /// again and nothing is acked.
+    async fn dead_letter(&self, id: &str, fields: Vec<(Vec<u8>, Vec<u8>)>) -> RedisResult<bool> {
+        let mut add = redis::cmd("XADD");
+        add.arg(&self.dead_letter).arg("*").arg("idempotent-source-id").arg(id);
+        for (name, value) in &fields {
+            add.arg(name).arg(value);
+        }
+        let copy: String = add.query_async(&mut self.commands.clone()).await?;
         static SCRIPT: std::sync::LazyLock<redis::Script> =
             std::sync::LazyLock::new(|| redis::Script::new(DEAD_LETTER_SCRIPT));
         let mut invocation = SCRIPT.prepare_invoke();
         invocation.key(&self.stream).key(&self.dead_letter);
-        invocation.arg(&self.group).arg(&self.consumer).arg(id);
-        invocation.arg("idempotent-source-id").arg(id);
-        for (k, v) in &fields {
-            invocation.arg(k).arg(v);
-        }
+        invocation.arg(&self.group).arg(&self.consumer).arg(id).arg(&copy);
         let acked: i64 = invocation.invoke_async(&mut self.commands.clone()).await?;
         Ok(acked == 1)
     }
+}
+
+/// A stream entry as read: its id and its fields, exactly as Redis holds them.
+struct Entry {
+    id: String,
+    fields: Vec<(Vec<u8>, Vec<u8>)>,
+    delivery_count: Option<usize>,
+}
+
+/// The items of an array reply (empty for nil or anything else).
+fn items(value: Value) -> Vec<Value> {
+    match value {
+        Value::Array(items) | Value::Set(items) => items,
+        _ => Vec::new(),
+    }
+}
+
+/// A string reply as text.
+fn text(value: &Value) -> Option<String> {
+    match value {
+        Value::BulkString(bytes) => Some(String::from_utf8_lossy(bytes).into_owned()),
+        Value::SimpleString(s) => Some(s.clone()),
+        _ => None,
+    }
+}
+
+/// A string reply as bytes.
+fn bytes(value: Value) -> Option<Vec<u8>> {
+    match value {
+        Value::BulkString(bytes) => Some(bytes),
+        Value::SimpleString(s) => Some(s.into_bytes()),
+        Value::Int(n) => Some(n.to_string().into_bytes()),
+        _ => None,
+    }
+}
+
+/// `[[id, [field, value, ...]], ...]` (a deleted entry, `[id, nil]` or nil, is left
+/// out), with field names and values as bytes: nothing a producer writes into an
+/// entry can fail the parsing of a whole batch.
+fn entries(value: Value) -> Vec<Entry> {
+    items(value)
+        .into_iter()
+        .filter_map(|entry| {
+            let mut parts = items(entry).into_iter();
+            let id = text(&parts.next()?)?;
+            let flat: Vec<Vec<u8>> = match parts.next()? {
+                Value::Map(pairs) => {
+                    pairs.into_iter().flat_map(|(k, v)| [k, v]).filter_map(bytes).collect()
+                }
+                other => items(other).into_iter().filter_map(bytes).collect(),
+            };
+            if flat.is_empty() {
+                return None;
+            }
+            let fields =
+                flat.chunks_exact(2).map(|pair| (pair[0].clone(), pair[1].clone())).collect();
+            Some(Entry { id, fields, delivery_count: Some(1) })
+        })
+        .collect()
 }
 
 /// A connection manager whose replies may take up to `timeout`.
