@@ -8,7 +8,7 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use async_nats::jetstream::{self, consumer::pull, stream};
+use async_nats::jetstream::{self, consumer::AckPolicy, consumer::pull, stream};
 use idempotent::consume::nats::{NatsConsumer, NatsMessage};
 use idempotent::testing;
 use idempotent::{Disposition, Error, Outcome};
@@ -170,5 +170,50 @@ async fn an_uncaptured_dead_letter_subject_fails_at_start_up() {
     let nowhere = format!("{}-nowhere.dead", setup.name);
     let started = NatsConsumer::new(&setup.durable, setup.js.clone(), nowhere).await;
     assert!(started.is_err());
+    setup.delete().await;
+}
+
+/// Under `AckPolicy::All` the ack of a later message would acknowledge one just left
+/// for retry, and under `None` nothing is redelivered: the consumer refuses to start
+/// on anything but `Explicit`.
+#[tokio::test]
+async fn an_ack_policy_other_than_explicit_fails_at_start_up() {
+    for policy in [AckPolicy::All, AckPolicy::None] {
+        let config = pull::Config { ack_policy: policy, ..Default::default() };
+        let Some(setup) = Setup::new(config).await else { return };
+        let started =
+            NatsConsumer::new(&setup.durable, setup.js.clone(), format!("{}.dead", setup.name))
+                .await;
+        assert!(started.is_err(), "{policy:?} was accepted");
+        setup.delete().await;
+    }
+}
+
+/// A message close to the server's `max_payload`: the headers the dead-letter copy
+/// adds would push it over the limit, so it goes without them instead of failing on
+/// every delivery (and, under `max_deliver`, being dropped by the server).
+#[tokio::test]
+async fn a_message_near_max_payload_is_dead_lettered() {
+    let config =
+        pull::Config { ack_wait: Duration::from_secs(1), max_deliver: 3, ..Default::default() };
+    let Some(setup) = Setup::new(config).await else { return };
+    let max_payload = connect().await.unwrap().server_info().max_payload;
+    let body = vec![b'x'; max_payload - 64];
+    let subject = format!("{}.orders", setup.name);
+    setup.js.publish(subject, body.clone().into()).await.unwrap().await.unwrap();
+    let mut consumer = setup.consumer().await.batch(1).retry_delay(Duration::from_millis(100));
+    let settled = consumer
+        .next(|_: NatsMessage| async {
+            Settled::Err(Error::Terminal {
+                error: std::io::ErrorKind::InvalidData.into(),
+                attempt: 1,
+                exhausted: false,
+            })
+        })
+        .await
+        .unwrap();
+    assert_eq!(settled.unwrap(), Disposition::DeadLetter);
+    let copy = setup.dead_letter().await.expect("the message was dead-lettered");
+    assert_eq!(copy.payload.len(), body.len());
     setup.delete().await;
 }

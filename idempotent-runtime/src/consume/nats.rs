@@ -4,7 +4,9 @@ use std::future::Future;
 use std::time::Duration;
 
 use async_nats::HeaderMap;
+use async_nats::jetstream::consumer::AckPolicy;
 use async_nats::jetstream::consumer::pull::Stream as Messages;
+use async_nats::jetstream::context::PublishErrorKind;
 use async_nats::jetstream::{self, AckKind};
 use bytes::Bytes;
 use futures_util::StreamExt as _;
@@ -52,7 +54,11 @@ impl Payload for NatsMessage {
 ///   answered `InProgress` (another consumer held the key), so keep `max_deliver`
 ///   well above the handlers' `max_attempts`, or unset.
 /// * [`new`](NatsConsumer::new) requires a dead-letter subject and checks that a
-///   stream captures it: a `+TERM` without a stored copy would lose the message.
+///   stream captures it (a `+TERM` without a stored copy would lose the message), and
+///   that the JetStream consumer acks explicitly (`AckPolicy::Explicit`: under `All`
+///   the ack of a later message would acknowledge one left for retry).
+/// * A copy that the added headers would push over the server's `max_payload` is
+///   published without them.
 ///
 /// A consumer that dies without acking has its messages redelivered after the
 /// consumer's `ack_wait`.
@@ -107,6 +113,15 @@ impl NatsConsumer {
             .into());
         }
         let config = &consumer.cached_info().config;
+        if config.ack_policy != AckPolicy::Explicit {
+            return Err(format!(
+                "the JetStream consumer's ack_policy is {:?}; it must be Explicit: under All \
+                 the ack of a later message would acknowledge one left for retry, and under \
+                 None nothing is redelivered",
+                config.ack_policy
+            )
+            .into());
+        }
         let max_deliver = Some(config.max_deliver).filter(|&n| n > 0);
         if let Some(n) = max_deliver {
             tracing::warn!(
@@ -198,15 +213,7 @@ impl NatsConsumer {
                 Disposition::Ack => acker.ack().await?,
                 Disposition::Retry => acker.ack_with(AckKind::Nak(Some(self.retry_delay))).await?,
                 Disposition::DeadLetter => {
-                    let mut headers = dead_letter_headers(copy.headers.as_ref());
-                    headers.insert("Idempotent-Source-Subject", copy.subject.as_str());
-                    if let Some(sequence) = source {
-                        headers.insert("Idempotent-Source-Sequence", sequence.to_string().as_str());
-                    }
-                    let subject = self.dead_letter.clone();
-                    let publish =
-                        self.jetstream.publish_with_headers(subject, headers, copy.payload).await?;
-                    publish.await?;
+                    self.publish_dead_letter(copy, source).await?;
                     acker.ack_with(AckKind::Term).await?
                 }
             }
@@ -214,6 +221,34 @@ impl NatsConsumer {
         }
         .await;
         Some(settled.map(|()| disposition))
+    }
+}
+
+impl NatsConsumer {
+    /// Publishes the copy and waits for JetStream to store it. A copy that the source
+    /// headers push over the server's `max_payload` goes without them.
+    async fn publish_dead_letter(
+        &self,
+        copy: NatsMessage,
+        source: Option<u64>,
+    ) -> Result<(), NatsError> {
+        let plain = dead_letter_headers(copy.headers.as_ref());
+        let mut headers = plain.clone();
+        headers.insert("Idempotent-Source-Subject", copy.subject.as_str());
+        if let Some(sequence) = source {
+            headers.insert("Idempotent-Source-Sequence", sequence.to_string().as_str());
+        }
+        let subject = self.dead_letter.clone();
+        let sent =
+            self.jetstream.publish_with_headers(subject.clone(), headers, copy.payload.clone());
+        let publish = match sent.await {
+            Err(e) if e.kind() == PublishErrorKind::MaxPayloadExceeded => {
+                self.jetstream.publish_with_headers(subject, plain, copy.payload).await?
+            }
+            other => other?,
+        };
+        publish.await?;
+        Ok(())
     }
 }
 
