@@ -1,20 +1,65 @@
 //! The Kafka consumer's own guarantees, against a `tansu` broker of the test's own:
 //! a `next` dropped mid-record loses nothing, a retry pauses only its own partition,
-//! and a dead letter keeps its headers and says where it came from.
+//! a dead letter keeps its headers and says where it came from, and a header key that
+//! is not UTF-8 (which rdkafka's own accessors panic on) is read like any other.
 
 use std::collections::{HashMap, HashSet};
 use std::time::{Duration, Instant};
 
+use futures_util::FutureExt as _;
 use idempotent::consume::kafka::{KafkaConsumer, KafkaMessage};
 use idempotent::testing::{self, block_on};
 use idempotent::{Disposition, Error, Outcome};
 use kafka::Broker;
+use rdkafka::bindings as rd;
 use rdkafka::consumer::{BaseConsumer, Consumer};
 use rdkafka::message::{Header, Headers, Message, OwnedHeaders};
-use rdkafka::producer::{FutureProducer, FutureRecord};
+use rdkafka::producer::{BaseProducer, FutureProducer, FutureRecord, Producer};
+use std::ffi::CString;
 
 #[path = "support/kafka.rs"]
 mod kafka;
+
+/// Produces `value` to `topic`/0 with one header whose key is `key` (raw bytes).
+fn produce_with_raw_header_key(producer: &BaseProducer, topic: &str, key: &[u8], value: &[u8]) {
+    let topic = CString::new(topic).unwrap();
+    let key = CString::new(key).unwrap();
+    let header_value = b"v";
+    let mut vus: Vec<rd::rd_kafka_vu_t> = Vec::new();
+    let mut vu = |vtype, u| vus.push(rd::rd_kafka_vu_t { vtype, u });
+    vu(
+        rd::rd_kafka_vtype_t::RD_KAFKA_VTYPE_TOPIC,
+        rd::rd_kafka_vu_s__bindgen_ty_1 { cstr: topic.as_ptr() },
+    );
+    vu(rd::rd_kafka_vtype_t::RD_KAFKA_VTYPE_PARTITION, rd::rd_kafka_vu_s__bindgen_ty_1 { i32_: 0 });
+    vu(
+        rd::rd_kafka_vtype_t::RD_KAFKA_VTYPE_VALUE,
+        rd::rd_kafka_vu_s__bindgen_ty_1 {
+            mem: rd::rd_kafka_vu_s__bindgen_ty_1__bindgen_ty_1 {
+                ptr: value.as_ptr() as *mut _,
+                size: value.len(),
+            },
+        },
+    );
+    vu(
+        rd::rd_kafka_vtype_t::RD_KAFKA_VTYPE_HEADER,
+        rd::rd_kafka_vu_s__bindgen_ty_1 {
+            header: rd::rd_kafka_vu_s__bindgen_ty_1__bindgen_ty_2 {
+                name: key.as_ptr(),
+                val: header_value.as_ptr() as *const _,
+                size: header_value.len() as isize,
+            },
+        },
+    );
+    vu(
+        rd::rd_kafka_vtype_t::RD_KAFKA_VTYPE_MSGFLAGS,
+        rd::rd_kafka_vu_s__bindgen_ty_1 { i: rd::RD_KAFKA_MSG_F_COPY },
+    );
+    let error =
+        unsafe { rd::rd_kafka_produceva(producer.client().native_ptr(), vus.as_ptr(), vus.len()) };
+    assert!(error.is_null(), "produceva failed");
+    producer.flush(Duration::from_secs(10)).unwrap();
+}
 
 type Settled = Result<Outcome<()>, Error<std::io::Error>>;
 
@@ -181,5 +226,65 @@ fn a_dead_letter_keeps_its_headers_and_source() {
         assert_eq!(headers.get("idempotent-source-topic"), Some(&topic));
         assert_eq!(headers.get("idempotent-source-partition").map(String::as_str), Some("0"));
         assert_eq!(headers.get("idempotent-source-offset").map(String::as_str), Some("0"));
+    });
+}
+
+#[test]
+fn a_header_key_that_is_not_utf8_does_not_stop_the_consumer() {
+    let Some(broker) = Broker::start() else { return };
+    block_on(async {
+        let topic = testing::fresh_key("kafka-header").namespace().to_owned();
+        broker.create_topics(&[(&topic, 1), (&format!("{topic}.dead"), 1)]).await;
+        let raw: BaseProducer = broker.config().create().unwrap();
+        produce_with_raw_header_key(&raw, &topic, b"trace-\xff", br#"{"id":1}"#);
+        produce_with_raw_header_key(&raw, &topic, b"trace-ok", br#"{"id":2}"#);
+
+        let producer: FutureProducer = broker.config().create().unwrap();
+        let mut consumer =
+            KafkaConsumer::new(broker.member("g", &topic), producer, format!("{topic}.dead"));
+        let mut outcomes = Vec::new();
+        let mut poison_settled = false;
+        for _ in 0..3 {
+            let next = std::panic::AssertUnwindSafe(tokio::time::timeout(
+                Duration::from_secs(8),
+                consumer.next(|m: KafkaMessage| {
+                    poison_settled |= m.offset == 0;
+                    outcomes.push(format!("handling offset {}", m.offset));
+                    async { Settled::Ok(Outcome::Processed(())) }
+                }),
+            ))
+            .catch_unwind()
+            .await;
+            match next {
+                Err(panic) => {
+                    let message = panic
+                        .downcast_ref::<String>()
+                        .cloned()
+                        .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
+                        .unwrap_or_default();
+                    outcomes.push(format!("panicked: {message}"));
+                }
+                Ok(Err(_)) => outcomes.push("timed out".to_owned()),
+                Ok(Ok(settled)) => {
+                    let settled = settled.map_err(|e| e.to_string());
+                    outcomes.push(format!("{settled:?}"));
+                    if poison_settled && settled == Ok(Some(Disposition::Ack)) {
+                        break;
+                    }
+                }
+            }
+        }
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        let committed =
+            rdkafka::consumer::Consumer::committed(consumer.consumer(), Duration::from_secs(5))
+                .map(|list| {
+                    format!("{:?}", list.elements().iter().map(|e| e.offset()).collect::<Vec<_>>())
+                })
+                .unwrap_or_default();
+        assert!(
+            poison_settled,
+            "the record at offset 0 (a non-UTF-8 header key) was never handed to the \
+             handler: {outcomes:?}; committed offsets now {committed}"
+        );
     });
 }

@@ -9,8 +9,9 @@ use rdkafka::consumer::{
     BaseConsumer, CommitMode, Consumer, ConsumerContext, Rebalance, StreamConsumer,
 };
 use rdkafka::error::KafkaError;
-use rdkafka::message::{Header, Headers, Message, OwnedHeaders};
+use rdkafka::message::{Header, Message, OwnedHeaders};
 use rdkafka::producer::{FutureProducer, FutureRecord};
+use rdkafka::types::RDKafkaErrorCode;
 use rdkafka::{ClientContext, Offset, Timestamp, TopicPartitionList};
 use tokio::time::Instant;
 
@@ -231,15 +232,7 @@ impl KafkaConsumer {
                     Timestamp::NotAvailable => None,
                     Timestamp::CreateTime(t) | Timestamp::LogAppendTime(t) => Some(t),
                 },
-                headers: record
-                    .headers()
-                    .map(|headers| {
-                        headers
-                            .iter()
-                            .map(|h| (h.key.to_owned(), h.value.map(<[u8]>::to_vec)))
-                            .collect()
-                    })
-                    .unwrap_or_default(),
+                headers: headers(&record),
             };
             let partition = (message.topic.clone(), message.partition);
             let mut state = self.consumer.context().state();
@@ -355,23 +348,39 @@ impl KafkaConsumer {
     }
 
     /// Produces the record to the dead-letter topic and waits for the broker, at most
-    /// the dead-letter timeout.
+    /// the dead-letter timeout. A copy that the source headers make too large for the
+    /// broker goes without them.
     async fn dead_letter(&self, message: &KafkaMessage) -> Result<(), KafkaError> {
+        match self.send_dead_letter(message, true).await {
+            Err(KafkaError::MessageProduction(RDKafkaErrorCode::MessageSizeTooLarge)) => {
+                self.send_dead_letter(message, false).await
+            }
+            other => other,
+        }
+    }
+
+    async fn send_dead_letter(
+        &self,
+        message: &KafkaMessage,
+        source: bool,
+    ) -> Result<(), KafkaError> {
         let mut headers = OwnedHeaders::new();
         for (key, value) in &message.headers {
             headers = headers.insert(Header { key, value: value.as_deref() });
         }
         let (partition, offset) = (message.partition.to_string(), message.offset.to_string());
-        headers = headers
-            .insert(Header {
-                key: "idempotent-source-topic",
-                value: Some(message.topic.as_bytes()),
-            })
-            .insert(Header {
-                key: "idempotent-source-partition",
-                value: Some(partition.as_bytes()),
-            })
-            .insert(Header { key: "idempotent-source-offset", value: Some(offset.as_bytes()) });
+        if source {
+            headers = headers
+                .insert(Header {
+                    key: "idempotent-source-topic",
+                    value: Some(message.topic.as_bytes()),
+                })
+                .insert(Header {
+                    key: "idempotent-source-partition",
+                    value: Some(partition.as_bytes()),
+                })
+                .insert(Header { key: "idempotent-source-offset", value: Some(offset.as_bytes()) });
+        }
         let mut record =
             FutureRecord::to(&self.dead_letter_topic).payload(&message.payload).headers(headers);
         if let Some(key) = &message.key {
@@ -381,11 +390,42 @@ impl KafkaConsumer {
         match tokio::time::timeout(self.dead_letter_timeout, send).await {
             Ok(Ok(_)) => Ok(()),
             Ok(Err((error, _))) => Err(error),
-            Err(_) => Err(KafkaError::MessageProduction(
-                rdkafka::types::RDKafkaErrorCode::MessageTimedOut,
-            )),
+            Err(_) => Err(KafkaError::MessageProduction(RDKafkaErrorCode::MessageTimedOut)),
         }
     }
+}
+
+/// The record's headers, with keys read as UTF-8 lossily. rdkafka's own header
+/// accessors unwrap each key as UTF-8 and panic on one that is not, which any
+/// producer can write: read through librdkafka instead.
+fn headers(record: &rdkafka::message::BorrowedMessage<'_>) -> Vec<(String, Option<Vec<u8>>)> {
+    use rdkafka::bindings as rd;
+    let mut list: *mut rd::rd_kafka_headers_t = std::ptr::null_mut();
+    // SAFETY: `record.ptr()` is the live message `record` borrows; librdkafka hands
+    // back headers owned by that message, valid while `record` is, and writes only
+    // through the out-pointers given.
+    let found = unsafe { rd::rd_kafka_message_headers(record.ptr(), &mut list) };
+    if found != rd::rd_kafka_resp_err_t::RD_KAFKA_RESP_ERR_NO_ERROR || list.is_null() {
+        return Vec::new();
+    }
+    let mut out = Vec::new();
+    for index in 0.. {
+        let (mut name, mut value, mut size) = (std::ptr::null(), std::ptr::null(), 0usize);
+        // SAFETY: as above; `index` past the last header answers an error, which
+        // ends the loop, and the pointers are only read while `record` lives.
+        let got =
+            unsafe { rd::rd_kafka_header_get_all(list, index, &mut name, &mut value, &mut size) };
+        if got != rd::rd_kafka_resp_err_t::RD_KAFKA_RESP_ERR_NO_ERROR || name.is_null() {
+            break;
+        }
+        // SAFETY: librdkafka's header names are NUL-terminated, and values `size`
+        // bytes long, owned by the message.
+        let key = unsafe { std::ffi::CStr::from_ptr(name) }.to_string_lossy().into_owned();
+        let value = (!value.is_null())
+            .then(|| unsafe { std::slice::from_raw_parts(value.cast::<u8>(), size) }.to_vec());
+        out.push((key, value));
+    }
+    out
 }
 
 /// A record being handled: if the future is dropped before the record is settled,
