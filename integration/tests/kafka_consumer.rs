@@ -288,3 +288,73 @@ fn a_header_key_that_is_not_utf8_does_not_stop_the_consumer() {
         );
     });
 }
+
+/// A partition with a record left for retry leaves this member and comes back after
+/// another member processed and committed past the record. The member must resume
+/// from the group's committed offset, not seek back to its stale retry and run
+/// everything in between again.
+#[test]
+fn a_returning_partition_does_not_resume_from_a_stale_retry() {
+    let Some(broker) = Broker::start() else { return };
+    block_on(async {
+        let topic = testing::fresh_key("kafka-return").namespace().to_owned();
+        let dead = format!("{topic}.dead");
+        broker.create_topics(&[(&topic, 1), (&dead, 1)]).await;
+        let producer: FutureProducer = broker.config().create().unwrap();
+        for i in 0..5 {
+            produce(&producer, &topic, 0, &i.to_string()).await;
+        }
+        let runs: std::sync::Arc<std::sync::Mutex<HashMap<String, u32>>> = Default::default();
+        let count = |runs: &std::sync::Arc<std::sync::Mutex<HashMap<String, u32>>>,
+                     m: &KafkaMessage| {
+            *runs.lock().unwrap().entry(body(m)).or_default() += 1;
+        };
+
+        // A leaves record 0 for retry, for longer than the test.
+        let mut a = KafkaConsumer::new(broker.member("g", &topic), producer, dead.clone())
+            .retry_delay(Duration::from_secs(600));
+        let first = a
+            .next(|m| {
+                count(&runs, &m);
+                async { Settled::Err(Error::Panicked { message: "flaky".into(), attempt: 1 }) }
+            })
+            .await
+            .unwrap();
+        assert_eq!(first, Some(Disposition::Retry));
+        // The partition leaves A (a rebalance revokes it).
+        a.consumer().unsubscribe();
+
+        // B takes the partition and processes everything, record 0 included.
+        let b_producer: FutureProducer = broker.config().create().unwrap();
+        let mut b = KafkaConsumer::new(broker.member("g", &topic), b_producer, dead.clone());
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while runs.lock().unwrap().values().sum::<u32>() < 6 && Instant::now() < deadline {
+            let next = b.next(|m| {
+                count(&runs, &m);
+                async { ok() }
+            });
+            let _ = tokio::time::timeout(Duration::from_secs(5), next).await;
+        }
+        // Let B's async commit land, then B leaves and the partition returns to A.
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        drop(b);
+        a.consumer().subscribe(&[topic.as_str()]).unwrap();
+        produce(&broker.config().create().unwrap(), &topic, 0, "5").await;
+
+        // A resumes after B's commit: it sees record 5 and nothing before it.
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while runs.lock().unwrap().get("5").is_none() && Instant::now() < deadline {
+            let next = a.next(|m| {
+                count(&runs, &m);
+                async { ok() }
+            });
+            let _ = tokio::time::timeout(Duration::from_secs(5), next).await;
+        }
+        let runs = runs.lock().unwrap().clone();
+        assert_eq!(runs.get("5"), Some(&1), "{runs:?}");
+        for i in 1..5 {
+            assert_eq!(runs.get(&i.to_string()), Some(&1), "record {i} ran again: {runs:?}");
+        }
+        assert_eq!(runs.get("0"), Some(&2), "{runs:?}");
+    });
+}
