@@ -118,7 +118,7 @@ impl Args {
                 }
             }
             "ttl" | "lease" => {
-                let expr: Expr = meta.value()?.parse()?;
+                let expr = ungroup(meta.value()?.parse()?);
                 match duration(&expr, &name) {
                     Ok(ms) => {
                         let slot = if name == "ttl" { &mut self.ttl } else { &mut self.lease };
@@ -128,7 +128,7 @@ impl Args {
                 }
             }
             "max_attempts" => {
-                let expr: Expr = meta.value()?.parse()?;
+                let expr = ungroup(meta.value()?.parse()?);
                 match int_literal(&expr).map(|lit| lit.base10_parse::<u32>()) {
                     Some(Ok(0)) => errors.at(
                         expr.span(),
@@ -142,11 +142,11 @@ impl Args {
                 }
             }
             "store" => {
-                let expr: Expr = meta.value()?.parse()?;
+                let expr = ungroup(meta.value()?.parse()?);
                 self.store.set(&name, expr, errors);
             }
             "message" => {
-                let expr: Expr = meta.value()?.parse()?;
+                let expr = ungroup(meta.value()?.parse()?);
                 match expr {
                     Expr::Path(p) if p.path.get_ident().is_some() && p.qself.is_none() => {
                         let ident = p.path.get_ident().cloned();
@@ -178,7 +178,7 @@ impl Args {
                         }
                     }
                 } else {
-                    match value.parse::<Expr>()? {
+                    match ungroup(value.parse::<Expr>()?) {
                         Expr::Path(p) if p.qself.is_none() => p.path,
                         other => {
                             errors.at(
@@ -202,7 +202,7 @@ impl Args {
             "cache" | "validate" | "transactional" => {
                 // `cache` alone means `cache = true`.
                 let value = if meta.input.peek(syn::Token![=]) {
-                    match meta.value()?.parse::<Expr>()? {
+                    match ungroup(meta.value()?.parse::<Expr>()?) {
                         Expr::Lit(syn::ExprLit {
                             lit: Lit::Bool(LitBool { value, .. }), ..
                         }) => Some(value),
@@ -251,7 +251,7 @@ fn string(
     example: &str,
     errors: &mut Errors,
 ) -> syn::Result<Option<LitStr>> {
-    let expr: Expr = meta.value()?.parse()?;
+    let expr = ungroup(meta.value()?.parse()?);
     Ok(match expr {
         Expr::Lit(syn::ExprLit { lit: Lit::Str(lit), .. }) => Some(lit),
         other => {
@@ -339,6 +339,16 @@ fn parse_duration(text: &str) -> Option<u64> {
         total = total.checked_add(number.checked_mul(factor)?)?;
     }
     Some(total)
+}
+
+/// `expr` without the invisible groups a `macro_rules!` fragment (`$ttl:expr`) wraps
+/// it in, and without parentheses: `ttl = $ttl` reads as the literal it carries.
+pub fn ungroup(expr: Expr) -> Expr {
+    match expr {
+        Expr::Group(group) => ungroup(*group.expr),
+        Expr::Paren(paren) => ungroup(*paren.expr),
+        other => other,
+    }
 }
 
 #[cfg(test)]

@@ -14,6 +14,8 @@ use crate::template::{self, Segment};
 const DEFAULT_TTL_MS: u64 = 24 * 60 * 60 * 1000;
 const DEFAULT_LEASE_MS: u64 = 30 * 1000;
 const DEFAULT_MAX_ATTEMPTS: u32 = 5;
+/// The shortest `lease` (`Spec::MIN_LEASE` in the runtime).
+const MIN_LEASE_MS: u64 = 30;
 
 /// Entry point. Never drops the user's function: on any error it is emitted as
 /// written, next to the errors, so the rest of the crate still type-checks.
@@ -149,8 +151,9 @@ impl Handler {
                     None
                 }
             }
+            // An argument under `#[cfg]` may not exist: it is never the default.
             None => match sig.inputs.iter().enumerate().find_map(|(i, input)| match input {
-                FnArg::Typed(pt) if Some(i) != transaction => Some(pt),
+                FnArg::Typed(pt) if Some(i) != transaction && !is_cfg_gated(&pt.attrs) => Some(pt),
                 _ => None,
             }) {
                 Some(pt) => match &*pt.pat {
@@ -201,7 +204,8 @@ impl Handler {
                             Segment::Pointer(pointer) => match &message {
                                 Some(msg) => {
                                     let located = msg.span().located_at(lit.span());
-                                    let msg = Ident::new(&msg.to_string(), located);
+                                    let mut msg = msg.clone();
+                                    msg.set_span(located);
                                     document = Some(quote_spanned!(lit.span()=> &#msg));
                                     key.push(KeyPart::Pointer(pointer));
                                 }
@@ -231,7 +235,8 @@ impl Handler {
         }
         let validate = match (args.validate.get(), args.validate.span(), &message) {
             (Some(true), Some(span), Some(msg)) => {
-                let msg = Ident::new(&msg.to_string(), msg.span().located_at(span));
+                let mut msg = msg.clone();
+                msg.set_span(msg.span().located_at(span));
                 Some((quote_spanned!(span=> &#msg), span))
             }
             (Some(true), _, None) => {
@@ -248,8 +253,26 @@ impl Handler {
         }
 
         let ttl_ms = args.ttl.get().map_or(DEFAULT_TTL_MS, |t| t.ms);
+        if let Some(ttl) = args.ttl.get().filter(|t| t.ms < MIN_LEASE_MS) {
+            errors.at(
+                ttl.span,
+                format_args!(
+                    "`ttl` must be at least {MIN_LEASE_MS}ms: a claim's lease, at least \
+                     {MIN_LEASE_MS}ms, can't outlive the dedupe window"
+                ),
+            );
+        }
         let lease_ms = match args.lease.get() {
             Some(lease) => {
+                if lease.ms < MIN_LEASE_MS {
+                    errors.at(
+                        lease.span,
+                        format_args!(
+                            "`lease` must be at least {MIN_LEASE_MS}ms: it is renewed every third \
+                             of itself, and a shorter one could lapse between two renewals"
+                        ),
+                    );
+                }
                 if lease.ms > ttl_ms {
                     errors.at(
                         lease.span,
@@ -533,26 +556,49 @@ fn transaction_argument(args: &Args, sig: &syn::Signature, errors: &mut Errors) 
     }
 }
 
+/// `ty` without the invisible groups a `macro_rules!` fragment (`$ret:ty`) wraps it in,
+/// and without parentheses: `(Result<T, E>)` is a `Result`.
+fn ungroup_type(ty: &Type) -> &Type {
+    match ty {
+        Type::Group(group) => ungroup_type(&group.elem),
+        Type::Paren(paren) => ungroup_type(&paren.elem),
+        other => other,
+    }
+}
+
 /// `&mut Transaction<..>` or `&mut PgTransaction<..>`, by any path.
 fn is_transaction(ty: &Type) -> bool {
-    let Type::Reference(reference) = ty else { return false };
-    let Type::Path(path) = &*reference.elem else { return false };
+    let Type::Reference(reference) = ungroup_type(ty) else { return false };
+    let Type::Path(path) = ungroup_type(&reference.elem) else { return false };
     reference.mutability.is_some()
         && path.qself.is_none()
         && (path.path.segments.last())
             .is_some_and(|s| s.ident == "Transaction" || s.ident == "PgTransaction")
 }
 
+/// Whether an argument carries `#[cfg(..)]` (or `#[cfg_attr(..)]`).
+fn is_cfg_gated(attrs: &[syn::Attribute]) -> bool {
+    attrs.iter().any(|a| a.path().is_ident("cfg") || a.path().is_ident("cfg_attr"))
+}
+
+/// Whether `impl` appears anywhere in `ty`, also inside groups (`(impl Display, u64)`).
 fn mentions_impl_trait(ty: &Type) -> bool {
-    quote!(#ty).into_iter().any(|t| matches!(t, proc_macro2::TokenTree::Ident(i) if i == "impl"))
+    fn scan(tokens: TokenStream) -> bool {
+        tokens.into_iter().any(|t| match t {
+            proc_macro2::TokenTree::Ident(i) => i == "impl",
+            proc_macro2::TokenTree::Group(g) => scan(g.stream()),
+            _ => false,
+        })
+    }
+    scan(quote!(#ty))
 }
 
 fn returns(output: &ReturnType, krate: &syn::Path) -> Returns {
     let ty = match output {
         ReturnType::Default => return Returns::Infallible { ok: quote!(()) },
-        ReturnType::Type(_, ty) => ty,
+        ReturnType::Type(_, ty) => ungroup_type(ty),
     };
-    if let Type::Path(path) = &**ty {
+    if let Type::Path(path) = ty {
         if let Some(last) = path.path.segments.last() {
             if last.ident == "Result" {
                 if let PathArguments::AngleBracketed(generics) = &last.arguments {
