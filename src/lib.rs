@@ -167,6 +167,7 @@
 //! | terminal error | FAILED, kept for ttl, alert | `Err(Terminal)` | dead-letter |
 //! | same key after FAILED, within ttl | unchanged | `Err(PreviouslyFailed)` | dead-letter |
 //! | handler panics | released | `Err(Panicked)` | redeliver |
+//! | handler panics on attempt `max_attempts` | FAILED, kept for ttl, alert | `Err(Panicked { exhausted: true })` | dead-letter |
 //! | caller drops the future mid-way | released (best effort), else lease expiry | — | redeliver |
 //! | process dies mid-handler | claim expires after `lease` | — | redelivery is processed |
 //! | claim won after `max_attempts` unfinished attempts | FAILED, alert | `Err(Abandoned)` | dead-letter |

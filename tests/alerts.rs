@@ -72,3 +72,25 @@ async fn alerts_key_fn_and_classify() {
     assert_eq!(HOOK.lock().unwrap()[0].namespace, "ship_with_hook");
     assert_eq!(SINK.lock().unwrap().len(), 1, "the sink is not called twice");
 }
+
+async fn hang(event: TerminalEvent) {
+    let _ = event;
+    std::future::pending::<()>().await;
+}
+
+#[idempotent(key_fn = parcel_key, classify = by_weight, store = STORE, namespace = "hung", on_terminal = hang)]
+async fn ship_with_hung_hook(msg: Shipment) -> Result<(), TooHeavy> {
+    Err(TooHeavy(msg.weight_grams))
+}
+
+/// A hook that never finishes does not hold the answer: after `HOOK_TIMEOUT` the call
+/// returns its terminal error, so the consumer can dead-letter and move on.
+#[tokio::test(start_paused = true)]
+async fn a_hung_hook_does_not_hold_the_answer() {
+    let msg = Shipment { parcel: "p-hung".into(), weight_grams: 50_000 };
+    let started = tokio::time::Instant::now();
+    let call = tokio::time::timeout(std::time::Duration::from_secs(60), ship_with_hung_hook(msg));
+    let err = call.await.expect("the hung hook held the answer").unwrap_err();
+    assert!(matches!(err, Error::Terminal { .. }), "{err:?}");
+    assert_eq!(started.elapsed(), idempotent::alert::HOOK_TIMEOUT);
+}

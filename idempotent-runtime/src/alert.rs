@@ -6,8 +6,14 @@
 //! key, attempt and error.
 
 use std::sync::OnceLock;
+use std::time::Duration;
 
 use crate::AlreadySet;
+
+/// How long an `on_terminal` hook may run. The record is already FAILED when it runs;
+/// a hook that takes longer is dropped (and logged), so that a slow or hung alert
+/// channel does not hold up the consumer's dead-lettering. Hand slow work to a task.
+pub const HOOK_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// A message that failed for good: its key is recorded as FAILED. Handed to the
 /// process-wide sink ([`set_alert_sink`], which has an example) or to a handler's

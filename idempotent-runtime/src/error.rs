@@ -62,12 +62,16 @@ pub enum Error<E> {
         /// How many attempts the key had.
         attempts: u32,
     },
-    /// The handler panicked; the key was released so a redelivery runs it again.
+    /// The handler panicked. Before the last allowed attempt the key was released, so
+    /// a redelivery runs it again; on attempt `max_attempts` it is kept as FAILED, an
+    /// alert was sent, and the message is dead-lettered (`exhausted: true`).
     Panicked {
         /// The panic payload, when it was a string.
         message: String,
         /// Which attempt this was, from 1.
         attempt: u32,
+        /// `true` when this was the last allowed attempt: the key is FAILED.
+        exhausted: bool,
     },
     /// The idempotency key could not be built from the message. The handler did not run.
     Key(KeyError),
@@ -120,6 +124,7 @@ impl<E> Error<E> {
     pub fn disposition(&self) -> Disposition {
         match self {
             Error::Store { error, .. } if error.is_permanent() => Disposition::DeadLetter,
+            Error::Panicked { exhausted: true, .. } => Disposition::DeadLetter,
             Error::Retryable { .. }
             | Error::Panicked { .. }
             | Error::Store { .. }
@@ -184,9 +189,14 @@ impl<E: fmt::Display> fmt::Display for Error<E> {
             Error::PreviouslyFailed { attempts } => {
                 write!(f, "key already failed for good after {attempts} attempt(s)")
             }
-            Error::Panicked { message, attempt } => {
+            Error::Panicked { message, attempt, exhausted: false } => {
                 write!(f, "handler panicked on attempt {attempt} (key released): {message}")
             }
+            Error::Panicked { message, attempt, exhausted: true } => write!(
+                f,
+                "handler panicked on attempt {attempt}, the last allowed (key kept as failed): \
+                 {message}"
+            ),
             Error::Key(e) => write!(f, "idempotency key could not be built: {e}"),
             Error::Store { error, handler_ran: false } => write!(
                 f,

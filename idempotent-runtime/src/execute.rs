@@ -391,9 +391,18 @@ where
         }
         Err(panic) => {
             completion.discard().await;
-            claim.release().await;
             let message = panic_message(&*panic);
-            Err(Error::Panicked { message, attempt })
+            let exhausted = attempt >= spec.max_attempts;
+            if exhausted {
+                // The last allowed attempt: fail it now, with what happened, rather
+                // than have the next delivery find it abandoned.
+                claim.fail("the handler panicked on its last attempt").await;
+                let event = claim.event(attempt, true, format!("the handler panicked: {message}"));
+                alert(on_terminal, event).await;
+            } else {
+                claim.release().await;
+            }
+            Err(Error::Panicked { message, attempt, exhausted })
         }
     };
     abandon.disarm();
@@ -487,9 +496,18 @@ where
     HF: Future<Output = ()>,
 {
     let (namespace, key) = (event.namespace.clone(), event.key.clone());
-    let sent = async move { on_terminal(event).await };
-    if AssertUnwindSafe(sent).catch_unwind().await.is_err() {
-        tracing::error!(%namespace, %key, "the on_terminal hook panicked; the alert was lost");
+    let sent = AssertUnwindSafe(async move { on_terminal(event).await }).catch_unwind();
+    match tokio::time::timeout(crate::alert::HOOK_TIMEOUT, sent).await {
+        Ok(Ok(())) => {}
+        Ok(Err(_)) => {
+            tracing::error!(%namespace, %key, "the on_terminal hook panicked; the alert was lost")
+        }
+        Err(_) => tracing::error!(
+            %namespace, %key,
+            "the on_terminal hook took longer than {:?} and was dropped; the record is FAILED \
+             and the call goes on",
+            crate::alert::HOOK_TIMEOUT
+        ),
     }
 }
 

@@ -202,7 +202,7 @@ pub async fn panic_releases<S: Store + ?Sized>(store: &S) {
         .await;
     let err = out.unwrap_err();
     assert!(
-        matches!(&err, Error::Panicked { message, attempt: 1 } if message == "boom"),
+        matches!(&err, Error::Panicked { message, attempt: 1, exhausted: false } if message == "boom"),
         "{err:?}"
     );
     assert!(err.is_retryable());
@@ -210,6 +210,34 @@ pub async fn panic_releases<S: Store + ?Sized>(store: &S) {
         matches!(claim_state(store, &key).await, Claim::Won { attempt: 2, .. }),
         "a panic must release the key"
     );
+}
+
+/// A panic on the last allowed attempt fails the key for good, with an alert that says
+/// the handler panicked, instead of leaving the next delivery to find it abandoned.
+pub async fn panic_on_last_attempt_fails<S: Store + ?Sized>(store: &S) {
+    let key = fresh_key("panic-last");
+    let alerts = Alerts::default();
+    for attempt in 1..=2 {
+        let out =
+            run(Call::new(spec(2), Ok(key.clone())), store, Failure::class, alerts.hook(), async {
+                if key.id() == b"order:42" {
+                    panic!("boom");
+                }
+                Ok::<u32, Failure>(1)
+            })
+            .await;
+        let err = out.unwrap_err();
+        let last = attempt == 2;
+        assert!(
+            matches!(&err, Error::Panicked { attempt: a, exhausted, .. } if *a == attempt && *exhausted == last),
+            "{err:?}"
+        );
+        assert_eq!(err.is_terminal(), last, "{err}");
+    }
+    assert!(matches!(claim_state(store, &key).await, Claim::Failed { attempts: 2 }));
+    let events = alerts.events().await;
+    assert_eq!(events.len(), 1, "{events:?}");
+    assert!(events[0].exhausted && events[0].error.contains("boom"), "{events:?}");
 }
 
 /// The caller drops the future mid-handler: released at once or after the lease.
@@ -639,6 +667,7 @@ pub const CASES: &[&str] = &[
     "late_completion_gets_lease_lost",
     "renewal_keeps_slow_handler",
     "renewal_extends_retention",
+    "panic_on_last_attempt_fails",
     "huge_durations_are_held",
     "concurrent_same_key_runs_once",
     "payload_mismatch_is_refused",
@@ -659,7 +688,7 @@ macro_rules! store_suite {
             unfinished_attempts_are_capped, store_unreachable_at_claim,
             store_fails_after_handler, ttl_expiry_forgets, expired_lease_is_fenced,
             late_completion_gets_lease_lost, renewal_keeps_slow_handler,
-            renewal_extends_retention, huge_durations_are_held,
+            renewal_extends_retention, huge_durations_are_held, panic_on_last_attempt_fails,
             payload_mismatch_is_refused, cached_result_is_replayed);
         $crate::store_suite!(@shared $make; concurrent_same_key_runs_once, many_keys_each_once);
     };

@@ -144,7 +144,11 @@ fn a_retry_pauses_only_its_partition() {
                 handled.entry(name.clone()).or_default().push(Instant::now());
                 async move {
                     if name == "retry-me" && first {
-                        Err(Error::Panicked { message: "flaky".into(), attempt: 1 })
+                        Err(Error::Panicked {
+                            message: "flaky".into(),
+                            attempt: 1,
+                            exhausted: false,
+                        })
                     } else {
                         ok()
                     }
@@ -316,7 +320,13 @@ fn a_returning_partition_does_not_resume_from_a_stale_retry() {
         let first = a
             .next(|m| {
                 count(&runs, &m);
-                async { Settled::Err(Error::Panicked { message: "flaky".into(), attempt: 1 }) }
+                async {
+                    Settled::Err(Error::Panicked {
+                        message: "flaky".into(),
+                        attempt: 1,
+                        exhausted: false,
+                    })
+                }
             })
             .await
             .unwrap();

@@ -119,8 +119,9 @@ async fn a_retry_delay_does_not_hold_up_other_deliveries() {
     publish(&channel, &queue, "first").await;
     publish(&channel, &queue, "second").await;
     let started = Instant::now();
-    let first = consumer
-        .next(|_| async { Settled::Err(Error::Panicked { message: "flaky".into(), attempt: 1 }) });
+    let first = consumer.next(|_| async {
+        Settled::Err(Error::Panicked { message: "flaky".into(), attempt: 1, exhausted: false })
+    });
     assert_eq!(first.await.unwrap().unwrap(), Disposition::Retry);
     let second = consumer.next(|m: RabbitMessage| async move {
         assert_eq!(m.body, b"second");
