@@ -229,13 +229,13 @@ pub(crate) trait Completion<S: ?Sized> {
     /// Gets ready for the body, once the claim is won; the claim is held, without
     /// renewal, while this runs, so it must finish well within `spec.lease()`.
     async fn begin(&mut self, store: &S, spec: &Spec) -> Result<(), StoreError>;
-    /// Records DONE with `result` and keeps the body's effects.
+    /// Records DONE with `result` (kept for `spec.ttl()`) and keeps the body's effects.
     async fn complete(
         self,
         store: &S,
         key: &Key,
         token: Token,
-        ttl: Duration,
+        spec: &Spec,
         result: Option<&[u8]>,
     ) -> Completed;
     /// Throws away what the body did, when it failed or panicked.
@@ -271,18 +271,35 @@ impl<S: Store + ?Sized> Completion<S> for StoreCompletion {
         Ok(())
     }
 
+    /// The handler's effects have happened: a store error here would mean a second
+    /// run after the lease. The complete is fenced by the token, so it is tried again,
+    /// with growing pauses, for up to half the lease (while the claim still holds).
     async fn complete(
         self,
         store: &S,
         key: &Key,
         token: Token,
-        ttl: Duration,
+        spec: &Spec,
         result: Option<&[u8]>,
     ) -> Completed {
-        match store.complete(key, token, ttl, result).await {
-            Ok(Transition::Applied) => Completed::Applied,
-            Ok(Transition::LeaseLost) => Completed::LeaseLost,
-            Err(error) => Completed::Failed { error, effects_kept: true },
+        let deadline = tokio::time::Instant::now() + spec.lease / 2;
+        let mut pause = Duration::from_millis(10);
+        loop {
+            match store.complete(key, token, spec.ttl, result).await {
+                Ok(Transition::Applied) => return Completed::Applied,
+                Ok(Transition::LeaseLost) => return Completed::LeaseLost,
+                Err(error) if error.is_permanent() => {
+                    return Completed::Failed { error, effects_kept: true };
+                }
+                Err(error) => {
+                    if tokio::time::Instant::now() + pause > deadline {
+                        return Completed::Failed { error, effects_kept: true };
+                    }
+                    tracing::warn!(key = %key, %error, "recording DONE failed; trying again");
+                    tokio::time::sleep(pause).await;
+                    pause *= 2;
+                }
+            }
         }
     }
 
@@ -357,7 +374,7 @@ where
             let encoded = catch_unwind(AssertUnwindSafe(|| cache.encode(&value)))
                 .unwrap_or_else(|_| Err("result not cached: serializing it panicked".to_owned()));
             let stored = encoded.as_ref().ok().and_then(Option::as_deref);
-            match completion.complete(store, &key, token, spec.ttl, stored).await {
+            match completion.complete(store, &key, token, &spec, stored).await {
                 Completed::Applied => match encoded {
                     Ok(_) => Ok(Outcome::Processed(value)),
                     Err(reason) => Err(Error::Cache { reason }),

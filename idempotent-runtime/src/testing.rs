@@ -312,6 +312,18 @@ pub async fn store_fails_after_handler<S: Store + ?Sized>(store: &S) {
     assert_eq!(runs.load(Ordering::SeqCst), 1);
 }
 
+/// Recording DONE fails twice after the handler ran: the fenced complete is tried again
+/// within the lease, so the message is DONE instead of run again after the lease.
+pub async fn a_failed_completion_is_retried<S: Store + ?Sized>(store: &S) {
+    let (key, runs, alerts) = (fresh_key("retry-done"), AtomicU32::new(0), Alerts::default());
+    let flaky = Flaky::new(store);
+    flaky.failing_completes.store(2, Ordering::SeqCst);
+    let out = call(&flaky, &key, spec(5), &runs, &alerts, Ok(1)).await;
+    assert_eq!(out.unwrap(), Outcome::Processed(1));
+    assert_eq!(claim_state(store, &key).await, Claim::Done);
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+}
+
 /// After the ttl, a DONE key is forgotten and processed again.
 pub async fn ttl_expiry_forgets<S: Store + ?Sized>(store: &S) {
     let (key, runs, alerts) = (fresh_key("ttl"), AtomicU32::new(0), Alerts::default());
@@ -571,6 +583,8 @@ struct Flaky<'a, S: ?Sized> {
     down: AtomicBool,
     down_after_claim: AtomicBool,
     refuse_renewals: AtomicBool,
+    /// How many completes still fail before they reach the store.
+    failing_completes: AtomicU32,
 }
 
 impl<'a, S: Store + ?Sized> Flaky<'a, S> {
@@ -579,6 +593,7 @@ impl<'a, S: Store + ?Sized> Flaky<'a, S> {
             inner,
             down: AtomicBool::new(false),
             down_after_claim: AtomicBool::new(false),
+            failing_completes: AtomicU32::new(0),
             refuse_renewals: AtomicBool::new(false),
         }
     }
@@ -612,6 +627,12 @@ impl<S: Store + ?Sized> Store for Flaky<'_, S> {
     ) -> Result<Transition, StoreError> {
         self.check(&self.down)?;
         self.check(&self.down_after_claim)?;
+        let failing =
+            self.failing_completes
+                .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1));
+        if failing.is_ok() {
+            return Err(StoreError::unavailable("connection reset (simulated)"));
+        }
         self.inner.complete(key, token, ttl, result).await
     }
     async fn release(&self, key: &Key, token: Token) -> Result<Transition, StoreError> {
@@ -668,6 +689,7 @@ pub const CASES: &[&str] = &[
     "renewal_keeps_slow_handler",
     "renewal_extends_retention",
     "panic_on_last_attempt_fails",
+    "a_failed_completion_is_retried",
     "huge_durations_are_held",
     "concurrent_same_key_runs_once",
     "payload_mismatch_is_refused",
@@ -689,6 +711,7 @@ macro_rules! store_suite {
             store_fails_after_handler, ttl_expiry_forgets, expired_lease_is_fenced,
             late_completion_gets_lease_lost, renewal_keeps_slow_handler,
             renewal_extends_retention, huge_durations_are_held, panic_on_last_attempt_fails,
+            a_failed_completion_is_retried,
             payload_mismatch_is_refused, cached_result_is_replayed);
         $crate::store_suite!(@shared $make; concurrent_same_key_runs_once, many_keys_each_once);
     };

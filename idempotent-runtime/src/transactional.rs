@@ -13,7 +13,6 @@ use std::fmt::Display;
 use std::future::Future;
 use std::ops::{Deref, DerefMut};
 use std::sync::{Arc, Mutex, PoisonError};
-use std::time::Duration;
 
 use sqlx::{Postgres, Transaction};
 
@@ -197,14 +196,14 @@ impl Completion<PostgresStore> for InTransaction<'_> {
         store: &PostgresStore,
         key: &Key,
         token: Token,
-        ttl: Duration,
+        spec: &Spec,
         result: Option<&[u8]>,
     ) -> Completed {
         let Some(mut tx) = self.slot.take() else {
             let error = StoreError::Protocol("the handler's transaction went missing".to_owned());
             return Completed::Failed { error, effects_kept: false };
         };
-        match store.complete_on(&mut tx, key, token, ttl, result).await {
+        match store.complete_on(&mut tx, key, token, spec.ttl(), result).await {
             Ok(Transition::Applied) => match tx.commit().await {
                 Ok(()) => Completed::Applied,
                 // Whether it committed is unknown. The caller releases the key, which

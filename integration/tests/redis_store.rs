@@ -45,6 +45,7 @@ fn cluster_passes_the_store_suite() {
         testing::renewal_extends_retention(&store).await;
         testing::huge_durations_are_held(&store).await;
         testing::panic_on_last_attempt_fails(&store).await;
+        testing::a_failed_completion_is_retried(&store).await;
         let store = Arc::new(store);
         testing::concurrent_same_key_runs_once(store.clone()).await;
         testing::many_keys_each_once(store).await;
