@@ -284,8 +284,21 @@ impl<S: Store + ?Sized> Completion<S> for StoreCompletion {
     ) -> Completed {
         let deadline = tokio::time::Instant::now() + spec.lease / 2;
         let mut pause = Duration::from_millis(10);
+        let mut retry = false;
         loop {
-            match store.complete(key, token, spec.ttl, result).await {
+            // A retry ends by the deadline too: a store that is down may take its own
+            // connection timeout to say so. (The first try takes what it takes.)
+            let complete = store.complete(key, token, spec.ttl, result);
+            let answer = if retry {
+                match tokio::time::timeout_at(deadline, complete).await {
+                    Ok(answer) => answer,
+                    Err(_) => Err(StoreError::unavailable("recording DONE timed out")),
+                }
+            } else {
+                complete.await
+            };
+            retry = true;
+            match answer {
                 Ok(Transition::Applied) => return Completed::Applied,
                 Ok(Transition::LeaseLost) => return Completed::LeaseLost,
                 Err(error) if error.is_permanent() => {

@@ -82,7 +82,9 @@ fn redis_killed_between_claim_and_complete() {
         static RUNS: AtomicU32 = AtomicU32::new(0);
         static STARTED: Notify = Notify::const_new();
         static FINISH: Notify = Notify::const_new();
-        #[idempotent(key = "order:{order_id}", store = store, lease = 1)]
+        // Recording DONE is retried for half the lease before the call gives up; the
+        // redelivery below must still come within the lease.
+        #[idempotent(key = "order:{order_id}", store = store, lease = 3)]
         async fn handle(msg: Order, store: &RedisStore, hold: bool) -> Result<(), Never> {
             let _ = msg;
             RUNS.fetch_add(1, Ordering::SeqCst);
@@ -111,7 +113,7 @@ fn redis_killed_between_claim_and_complete() {
         let out =
             redeliver_until_store_answers(|| handle(Order { order_id: 7 }, &store, false)).await;
         assert_eq!(out.unwrap(), Outcome::InProgress);
-        tokio::time::sleep(Duration::from_millis(1_200)).await;
+        tokio::time::sleep(Duration::from_millis(3_200)).await;
         let out =
             redeliver_until_store_answers(|| handle(Order { order_id: 7 }, &store, false)).await;
         assert_eq!(out.unwrap(), Outcome::Processed(()), "the message is not lost");
