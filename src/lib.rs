@@ -88,7 +88,7 @@
 //! | `ttl = 600` | Dedupe window after completion: seconds, or a string with units (`"500ms"`, `"10m"`, `"24h"`, `"1h30m"`; units `ms s m h d`). Default 24 hours. |
 //! | `lease = 30` | How long a claim holds without renewal (renewed every third of it while the body runs). Same units. Default 30 s, or the ttl if shorter. Must be ≤ `ttl`. |
 //! | `max_attempts = 5` | Attempts before a retryable error is treated as terminal. Default 5. Attempts that never finished (crash, panic, cancellation) count. |
-//! | `namespace = "payments"` | Key prefix; default the function's name. Handlers sharing a namespace share records, so give methods with common names (`handle`) their own. No `:`. |
+//! | `namespace = "payments"` | Key prefix; default the function's name. Handlers sharing a namespace share records. Required on methods, whose names (`handle`) repeat. No `:`. |
 //! | `store = expr` | The [`Store`], or anything that dereferences to one (`Arc<S>`, `&S`, a `LazyLock`); may use the arguments, e.g. `store = self.store`. Default: the process-wide store from [`set_default_store`]; with none set, calls fail with [`StoreError::NotConfigured`]. |
 //! | `message = ident` | Which argument is the message. Default: the first argument after `self`. |
 //! | `on_terminal = path` | `async fn(TerminalEvent)` called on terminal failures instead of the process-wide [`AlertSink`] (default: a `tracing` error event). |

@@ -69,7 +69,7 @@ impl Consumer {
     }
 
     /// Several arguments; the message is not the first one.
-    #[idempotent(key = "{attempt_hint}-{order_id}", message = msg, store = &*self.store)]
+    #[idempotent(key = "{attempt_hint}-{order_id}", message = msg, store = &*self.store, namespace = "hinted")]
     async fn with_args(&self, attempt_hint: u8, msg: OrderPlaced) -> Result<(), PayError> {
         let _ = (attempt_hint, msg);
         self.runs.fetch_add(1, Ordering::SeqCst);
@@ -102,7 +102,7 @@ trait Handler {
 struct TraitConsumer(MemoryStore);
 
 impl Handler for TraitConsumer {
-    #[idempotent(key = "{order_id}", store = self.0)]
+    #[idempotent(key = "{order_id}", store = self.0, namespace = "tuple_receiver")]
     async fn handle(&self, msg: OrderPlaced) -> Result<u64, PayError> {
         Ok(msg.order_id * 2)
     }

@@ -301,7 +301,21 @@ impl Handler {
                 }
                 value
             }
-            None => sig.ident.to_string().trim_start_matches("r#").to_owned(),
+            None => {
+                let name = sig.ident.to_string().trim_start_matches("r#").to_owned();
+                if has_receiver {
+                    errors.at(
+                        sig.ident.span(),
+                        format_args!(
+                            "#[idempotent] on a method needs `namespace = \"...\"`: the default, \
+                             the method's name `{name}`, is shared by every `{name}` method on \
+                             the same store, and their messages would be taken for each other's \
+                             duplicates; name it, e.g. `namespace = \"billing.{name}\"`"
+                        ),
+                    );
+                }
+                name
+            }
         };
 
         let returns = returns(&sig.output, &krate);

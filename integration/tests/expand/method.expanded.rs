@@ -17,7 +17,7 @@ impl Consumer {
     > {
         let __idempotent_key = {
             let mut __idempotent_key = ::idempotent::__private::KeyBuilder::new(
-                "handle",
+                "billing.charge",
             );
             __idempotent_key.field("self.tenant", &self.tenant);
             __idempotent_key.text("/");

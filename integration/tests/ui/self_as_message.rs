@@ -7,7 +7,7 @@ struct Order {
 struct Consumer;
 
 impl Consumer {
-    #[idempotent(key = "order:{order_id}", message = self)]
+    #[idempotent(key = "order:{order_id}", message = self, namespace = "orders")]
     async fn handle(&self, msg: Order) {
         let _ = msg.order_id;
     }

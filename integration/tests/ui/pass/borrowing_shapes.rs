@@ -15,7 +15,7 @@ struct Order {
 }
 
 impl Consumer {
-    #[idempotent(key = "order:{order_id}", store = self.store)]
+    #[idempotent(key = "order:{order_id}", store = self.store, namespace = "borrowing")]
     async fn owned_self(self: Arc<Self>, msg: Order) {
         self.seen.lock().unwrap().push(msg.order_id);
     }

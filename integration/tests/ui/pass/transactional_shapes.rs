@@ -12,7 +12,7 @@ struct Ledger {
 }
 
 impl Ledger {
-    #[idempotent(key = "order:{/order_id}", store = self.store, transactional, validate, cache)]
+    #[idempotent(key = "order:{/order_id}", store = self.store, transactional, validate, cache, namespace = "tx_shapes")]
     async fn debit(&self, mut tx: &mut PgTransaction<'_>, msg: &Value) -> Result<u64, sqlx::Error> {
         sqlx::query("SELECT 1").execute(&mut **tx).await?;
         tx = &mut *tx;
