@@ -33,7 +33,7 @@ pub fn derive(item: TokenStream) -> TokenStream {
             // "does not implement Classify" to the real errors.
             let errors = e.to_compile_error();
             let fallback =
-                implement(&input, &default_crate(&input), quote!(::core::unreachable!()));
+                implement(&input, &default_crate(&input), quote!(::core::unreachable!()), &[]);
             quote!(#errors #fallback)
         }
     }
@@ -45,9 +45,23 @@ fn default_crate(input: &DeriveInput) -> Path {
         .unwrap_or_else(|| parse_quote!(::idempotent))
 }
 
-fn implement(input: &DeriveInput, krate: &Path, body: TokenStream) -> TokenStream {
+/// The impl, with `bounds: Classify` added to the where clause: the types of the
+/// `transparent` fields, which may be generic (`Wrapped<E>(E)` needs `E: Classify`).
+fn implement(
+    input: &DeriveInput,
+    krate: &Path,
+    body: TokenStream,
+    bounds: &[syn::Type],
+) -> TokenStream {
     let name = &input.ident;
-    let (impl_generics, ty_generics, where_clause) = input.generics.split_for_impl();
+    let mut generics = input.generics.clone();
+    if !bounds.is_empty() {
+        let clause = generics.make_where_clause();
+        for ty in bounds {
+            clause.predicates.push(parse_quote!(#ty: #krate::Classify));
+        }
+    }
+    let (impl_generics, ty_generics, where_clause) = generics.split_for_impl();
     quote! {
         #[automatically_derived]
         impl #impl_generics #krate::Classify for #name #ty_generics #where_clause {
@@ -62,7 +76,8 @@ fn expand(input: &DeriveInput) -> syn::Result<TokenStream> {
     let mut errors = Errors::default();
     let top = marks(&input.attrs, true, &mut errors);
     let krate = top.krate.clone().unwrap_or_else(|| parse_quote!(::idempotent));
-    let class = |mark: &Mark, fields: &Fields, span: Span, errors: &mut Errors| match mark {
+    let mut bounds: Vec<syn::Type> = Vec::new();
+    let mut class = |mark: &Mark, fields: &Fields, span: Span, errors: &mut Errors| match mark {
         Mark::Retryable => quote!(#krate::ErrorClass::Retryable),
         Mark::Terminal => quote!(#krate::ErrorClass::Terminal),
         Mark::Transparent => {
@@ -72,6 +87,9 @@ fn expand(input: &DeriveInput) -> syn::Result<TokenStream> {
                     "`transparent` delegates to the one field's own `Classify`: use it on a \
                      variant or struct with exactly one field",
                 );
+            }
+            if let Some(field) = fields.iter().next().filter(|f| is_generic(&f.ty, input)) {
+                bounds.push(field.ty.clone());
             }
             quote!(#krate::Classify::class(__idempotent_inner))
         }
@@ -113,7 +131,12 @@ fn expand(input: &DeriveInput) -> syn::Result<TokenStream> {
                     Some(quote!(#pat => #class,))
                 })
                 .collect();
-            quote!(match self { #(#arms)* })
+            if data.variants.is_empty() {
+                // No value of an empty enum exists to classify.
+                quote!(match *self {})
+            } else {
+                quote!(match self { #(#arms)* })
+            }
         }
         Data::Struct(data) => match &top.mark {
             Some((span, mark)) => {
@@ -136,7 +159,7 @@ fn expand(input: &DeriveInput) -> syn::Result<TokenStream> {
         }
     };
     errors.finish()?;
-    Ok(implement(input, &krate, body))
+    Ok(implement(input, &krate, body, &bounds))
 }
 
 /// Reads `#[idempotent(...)]` marks. `crate = path` is accepted on the type only.
@@ -175,4 +198,18 @@ fn marks(attrs: &[Attribute], top: bool, errors: &mut Errors) -> Marks {
         }
     }
     marks
+}
+
+/// Whether `ty` mentions one of the input's type parameters (only such field types
+/// need a `Classify` bound; a bound on a concrete private type would warn).
+fn is_generic(ty: &syn::Type, input: &DeriveInput) -> bool {
+    fn mentions(tokens: TokenStream, names: &[&syn::Ident]) -> bool {
+        tokens.into_iter().any(|t| match t {
+            proc_macro2::TokenTree::Ident(i) => names.contains(&&i),
+            proc_macro2::TokenTree::Group(g) => mentions(g.stream(), names),
+            _ => false,
+        })
+    }
+    let names: Vec<&syn::Ident> = input.generics.type_params().map(|p| &p.ident).collect();
+    !names.is_empty() && mentions(quote!(#ty), &names)
 }
