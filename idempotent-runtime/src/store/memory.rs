@@ -26,6 +26,13 @@ const SWEEP_EVERY: Duration = Duration::from_secs(1);
 /// as the store is used: each shard sweeps itself every 1024 writes or once a second,
 /// and [`purge_expired`](MemoryStore::purge_expired) sweeps everything at once.
 ///
+/// Times are Tokio's clock (`tokio::time::Instant`), so a test with paused time
+/// (`#[tokio::test(start_paused = true)]`) moves leases and expiries along with it.
+/// Each Tokio runtime has its own clock, and a paused one stands still: a store shared
+/// between runtimes (a `static` used by several `#[tokio::test]`s) compares instants
+/// from different clocks. Give each runtime its own store when any of them pauses
+/// time.
+///
 /// ```
 /// # #[tokio::main(flavor = "current_thread")] async fn main() {
 /// use std::time::Duration;
