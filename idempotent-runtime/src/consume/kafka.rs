@@ -255,7 +255,8 @@ impl KafkaConsumer {
         };
         let (topic, index, offset) = (message.topic.clone(), message.partition, message.offset);
         let copy = message.clone();
-        // From here until the record is settled, a dropped future rewinds to it.
+        // From here until the record is settled, a dropped future, and any early return
+        // below, rewinds the partition to it.
         let in_flight = InFlight { consumer: self, topic: &topic, partition: index, offset };
         let disposition = handler(message).await.disposition();
         match disposition {
@@ -267,15 +268,12 @@ impl KafkaConsumer {
                 self.consumer.pause(&paused)?;
             }
             Disposition::DeadLetter => {
-                if let Err(error) = self.dead_letter(&copy).await {
-                    // Not dead-lettered, so not committed: read it again.
-                    self.rewind(&topic, index, offset, Instant::now())?;
-                    std::mem::forget(in_flight);
-                    return Err(error);
-                }
+                // Not dead-lettered, so not committed: the guard rewinds to read it again.
+                self.dead_letter(&copy).await?;
                 self.commit(&topic, index, offset, epoch)?;
             }
         }
+        // Settled: nothing to rewind.
         std::mem::forget(in_flight);
         Ok(Some(disposition))
     }

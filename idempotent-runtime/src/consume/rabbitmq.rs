@@ -197,14 +197,7 @@ impl RabbitConsumer {
         match disposition {
             Disposition::Ack => sent(acker.ack(BasicAckOptions::default()).await),
             Disposition::Retry => {
-                let delay = self.retry_delay;
-                tokio::spawn(async move {
-                    tokio::time::sleep(delay).await;
-                    let requeue = BasicNackOptions { multiple: false, requeue: true };
-                    if let Err(error) = sent(acker.nack(requeue).await) {
-                        tracing::warn!(%error, "requeueing a delivery failed; the broker redelivers it when the channel closes");
-                    }
-                });
+                requeue_later(acker, self.retry_delay);
                 Ok(())
             }
             Disposition::DeadLetter => match self.publish_dead_letter(copy).await {
@@ -301,15 +294,24 @@ struct Unsettled(Option<lapin::Acker>);
 
 impl Drop for Unsettled {
     fn drop(&mut self) {
-        let Some(acker) = self.0.take() else { return };
-        let Ok(runtime) = tokio::runtime::Handle::try_current() else { return };
-        runtime.spawn(async move {
-            let requeue = BasicNackOptions { multiple: false, requeue: true };
-            if let Err(error) = sent(acker.nack(requeue).await) {
-                tracing::warn!(%error, "requeueing a dropped delivery failed; the broker redelivers it when the channel closes");
-            }
-        });
+        if let Some(acker) = self.0.take() {
+            requeue_later(acker, std::time::Duration::ZERO);
+        }
     }
+}
+
+/// Requeues a delivery after `delay`, from a task of its own on the current Tokio
+/// runtime. Without a runtime, or if the nack fails, the broker redelivers it when
+/// the channel closes.
+fn requeue_later(acker: lapin::Acker, delay: std::time::Duration) {
+    let Ok(runtime) = tokio::runtime::Handle::try_current() else { return };
+    runtime.spawn(async move {
+        tokio::time::sleep(delay).await;
+        let requeue = BasicNackOptions { multiple: false, requeue: true };
+        if let Err(error) = sent(acker.nack(requeue).await) {
+            tracing::warn!(%error, "requeueing a delivery failed; the broker redelivers it when the channel closes");
+        }
+    });
 }
 
 /// A settle lapin reports as not sent (`Ok(false)`) is an error, not a success.
