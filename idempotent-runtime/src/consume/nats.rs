@@ -176,11 +176,13 @@ impl NatsConsumer {
             Ok(message) => message,
             Err(e) => return Some(Err(e.into())),
         };
-        let last_delivery = match (self.max_deliver, message.info()) {
-            (Some(max), Ok(info)) => info.delivered >= max,
+        // The reply subject carries the delivery count and the stream sequence.
+        let info = message.info().ok().map(|info| (info.delivered, info.stream_sequence));
+        let last_delivery = match (self.max_deliver, info) {
+            (Some(max), Some((delivered, _))) => delivered >= max,
             _ => false,
         };
-        let source = message.info().ok().map(|info| info.stream_sequence);
+        let source = info.map(|(_, sequence)| sequence);
         let (message, acker) = message.split();
         let message = NatsMessage {
             subject: message.subject.to_string(),
