@@ -55,7 +55,9 @@
 //! handler returned `Result<T, E>` (or `Result<Outcome<T>, Error<Infallible>>` where it
 //! returned a plain `T`). The return type must be spelled `Result<T, E>` or a
 //! one-argument alias such as `io::Result<T>`; any other type is a value of an
-//! infallible handler. `E` must implement [`Classify`](trait@Classify) (or pass
+//! infallible handler, and a `Result` under another name (`type PayResult<T> =
+//! Result<T, PayError>`) is refused at compile time rather than have its `Err`
+//! recorded as a success. `E` must implement [`Classify`](trait@Classify) (or pass
 //! `classify = path`) and `Display` (alerts carry the rendered error).
 //! [`DispositionExt::disposition`] on that result says whether to ack, retry or
 //! dead-letter the delivery; [`Outcome`] and [`Error`] say what happened.
@@ -310,6 +312,7 @@ pub use idempotent_runtime::consume;
 pub mod __private {
     pub use idempotent_runtime::alert::process_sink;
     pub use idempotent_runtime::execute::{Call, HandlerResult, Spec, run, run_infallible};
+    pub use idempotent_runtime::result_alias::{AnyValue, ResultValue, ValueType, require_value};
     #[cfg(feature = "postgres")]
     pub use idempotent_runtime::transactional::{TransactionalStore, TxSlot, run_transactional};
     pub use idempotent_runtime::{AsStore, DefaultStore, Document, Fingerprint, KeyBuilder};

@@ -484,10 +484,26 @@ impl Handler {
                 };
                 (quote!(::core::result::Result<#krate::Outcome<#ok>, #krate::Error<#err>>), call)
             }
-            Returns::Infallible { ok } => (
-                quote!(::core::result::Result<#krate::Outcome<#ok>, #krate::Error<::core::convert::Infallible>>),
-                quote!(#private::run_infallible(#call_var, #store_var, #body).await),
-            ),
+            Returns::Infallible { ok } => {
+                // A `Result` under another name would have its `Err` recorded as a
+                // success: refuse it, at the return type.
+                let check = match &func.sig.output {
+                    ReturnType::Type(_, ty) if !mentions_impl_trait(ty) => {
+                        quote_spanned! {ty.span()=>
+                            #private::require_value({
+                                #[allow(unused_imports)]
+                                use #private::{AnyValue as _, ResultValue as _};
+                                (&#private::ValueType::<#ok>::new()).probe()
+                            });
+                        }
+                    }
+                    _ => quote!(),
+                };
+                (
+                    quote!(::core::result::Result<#krate::Outcome<#ok>, #krate::Error<::core::convert::Infallible>>),
+                    quote!({ #check #private::run_infallible(#call_var, #store_var, #body).await }),
+                )
+            }
         };
 
         func.sig.output = parse_quote!(-> #output);

@@ -33,6 +33,8 @@ pub mod execute;
 mod key;
 mod outcome;
 mod payload;
+#[doc(hidden)]
+pub mod result_alias;
 pub mod store;
 #[cfg(feature = "testing")]
 #[cfg_attr(docsrs, doc(cfg(feature = "testing")))]
