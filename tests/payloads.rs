@@ -143,3 +143,80 @@ async fn cached_results_are_replayed_to_duplicates() {
     assert_eq!(again.disposition(), Disposition::Ack);
     assert_eq!(CHARGES.load(Ordering::SeqCst), 1);
 }
+
+#[idempotent(key = "{/id}", store = STORE, namespace = "numbers")]
+async fn by_number(msg: &[u8]) {
+    let _ = msg;
+}
+
+#[tokio::test]
+async fn numbers_keep_every_digit_and_equal_numbers_share_a_key() {
+    // Beyond 64 bits, and beyond an f64's precision: different numbers, different keys.
+    for body in [
+        r#"{"id": 18446744073709551616}"#,
+        r#"{"id": 18446744073709551617}"#,
+        r#"{"id": -9223372036854775809}"#,
+        r#"{"id": -9223372036854775810}"#,
+        r#"{"id": 0.1}"#,
+        r#"{"id": 0.1000000000000000055511151231257827}"#,
+        r#"{"id": 1e400}"#,
+        r#"{"id": 1e401}"#,
+    ] {
+        assert!(by_number(body.as_bytes()).await.unwrap().is_processed(), "{body}");
+    }
+    // The same number written another way is the same key.
+    assert!(by_number(br#"{"id": 100}"#).await.unwrap().is_processed());
+    for body in [r#"{"id":100.0}"#, r#"{"id":1e2}"#, r#"{"id":1000E-1}"#, r#"{"id":0.01e4}"#] {
+        assert_eq!(by_number(body.as_bytes()).await.unwrap(), Outcome::Duplicate, "{body}");
+    }
+    assert!(by_number(br#"{"id": 0}"#).await.unwrap().is_processed());
+    assert_eq!(by_number(br#"{"id": -0.0}"#).await.unwrap(), Outcome::Duplicate);
+    // A hostile exponent neither allocates its digits nor collapses with a neighbour.
+    assert!(by_number(br#"{"id": 1e999999999}"#).await.unwrap().is_processed());
+    assert!(by_number(br#"{"id": 1e999999998}"#).await.unwrap().is_processed());
+    assert_eq!(by_number(br#"{"id": 10e999999998}"#).await.unwrap(), Outcome::Duplicate);
+}
+
+#[idempotent(key = "{/id}", store = STORE, namespace = "string_then_number")]
+async fn string_then_number(msg: &[u8]) {
+    let _ = msg;
+}
+
+#[idempotent(key = "{/id}", store = STORE, namespace = "number_then_string")]
+async fn number_then_string(msg: Value) {
+    let _ = msg;
+}
+
+/// A string is taken as it is and a number in its canonical form, so a producer that
+/// sends an id as `"7"` on one delivery and `7` on the next is deduplicated.
+#[tokio::test]
+async fn a_string_and_a_number_with_the_same_text_share_a_key() {
+    assert!(string_then_number(br#"{"id": "7"}"#).await.unwrap().is_processed());
+    assert_eq!(string_then_number(br#"{"id": 7.0}"#).await.unwrap(), Outcome::Duplicate);
+    assert!(number_then_string(json!({"id": 7})).await.unwrap().is_processed());
+    assert_eq!(number_then_string(json!({"id": "7"})).await.unwrap(), Outcome::Duplicate);
+    // Only the canonical text: "7.0" is another string than 7's.
+    assert!(number_then_string(json!({"id": "7.0"})).await.unwrap().is_processed());
+}
+
+#[idempotent(key = "{/id}", store = STORE, namespace = "validated_value", validate = true)]
+async fn validated(msg: Value) {
+    let _ = msg;
+}
+
+/// A redelivery re-serialised by its producer is the same payload: `validate`
+/// fingerprints numbers by the rule keys use.
+#[tokio::test]
+async fn fingerprints_read_numbers_like_keys_do() {
+    let parse = |s: &str| idempotent::serde_json::from_str::<Value>(s).unwrap();
+    assert!(
+        validated(parse(r#"{"id": 1, "amount": 100, "rate": 0.0}"#)).await.unwrap().is_processed()
+    );
+    for same in
+        [r#"{"id": 1.0, "amount": 100.0, "rate": -0.0}"#, r#"{"rate": 0, "amount": 1e2, "id": 1}"#]
+    {
+        assert_eq!(validated(parse(same)).await.unwrap(), Outcome::Duplicate, "{same}");
+    }
+    let err = validated(parse(r#"{"id": 1, "amount": 101, "rate": 0}"#)).await.unwrap_err();
+    assert!(matches!(err, Error::PayloadMismatch), "{err}");
+}

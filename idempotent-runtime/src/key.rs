@@ -6,7 +6,7 @@ use std::fmt::{self, Display, Write as _};
 use sha2::{Digest, Sha256};
 
 use crate::KeyError;
-use crate::payload::{Document, render};
+use crate::payload::{Document, PointerError};
 
 /// The longest key accepted, in bytes, namespace and separator included: 64 KiB.
 /// Longer keys are a [`KeyError::TooLong`]. The Redis and PostgreSQL stores keep ids
@@ -213,25 +213,45 @@ impl KeyBuilder {
         self.opened(placeholder, start);
     }
 
-    /// Appends the value at a JSON `pointer` (RFC 6901) of `document`: a string as it
-    /// is, a number canonically (`1` and `1.0` both render `1`), encoded like a
-    /// [`field`](KeyBuilder::field). A payload that is not JSON, or a pointer to
-    /// nothing, `null`, `""`, a boolean, an object or an array, makes the key fail:
-    /// the handler does not run and the message is dead-lettered.
+    /// Appends the value at a JSON `pointer` (RFC 6901) of `document`, encoded like a
+    /// [`field`](KeyBuilder::field).
+    ///
+    /// A string renders as it is. A number renders as its exact decimal value, never
+    /// through a float: `100`, `100.0`, `1e2` and `1000E-1` all render `100`, `-0`
+    /// renders `0`, and `18446744073709551616` keeps every digit. The text is plain
+    /// decimal without trailing zeros, or `DeK` (`1e400`) when plain notation would
+    /// exceed 100 characters. A string and a number with the same text share a key
+    /// (`"7"` and `7`). Of an object's repeated keys the last counts.
+    ///
+    /// A payload that is not JSON, or a pointer to nothing, `null`, `""`, a boolean,
+    /// an object, an array or a number whose exponent overflows 64 bits, makes the key
+    /// fail: the handler does not run and the message is dead-lettered.
+    ///
+    /// ```
+    /// use idempotent_runtime::{Document, KeyBuilder};
+    ///
+    /// let key = |body: &str| {
+    ///     let mut key = KeyBuilder::new("payments");
+    ///     key.pointer("/amount", &Document::of(body));
+    ///     key.finish().unwrap()
+    /// };
+    /// assert_eq!(key(r#"{"amount": 1e2}"#), key(r#"{"amount": 100.0}"#));
+    /// assert_eq!(key(r#"{"amount": 18446744073709551616}"#).as_bytes(), b"payments:18446744073709551616");
+    /// ```
     pub fn pointer(&mut self, pointer: &'static str, document: &Document<'_>) {
         if self.error.is_some() {
             return;
         }
         self.seal();
         let start = self.buf.len();
-        match document.value() {
-            Err(reason) => {
-                self.error = Some(KeyError::NotJson { pointer, reason: reason.to_owned() });
+        match document.render(pointer, &mut self.buf) {
+            Ok(()) => self.opened(pointer, start),
+            Err(PointerError::NotJson(reason)) => {
+                self.error = Some(KeyError::NotJson { pointer, reason });
             }
-            Ok(value) => match render(value, pointer, &mut self.buf) {
-                Err(why) => self.error = Some(KeyError::Pointer { pointer, why }),
-                Ok(()) => self.opened(pointer, start),
-            },
+            Err(PointerError::Unusable(why)) => {
+                self.error = Some(KeyError::Pointer { pointer, why })
+            }
         }
     }
 

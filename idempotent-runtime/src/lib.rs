@@ -30,6 +30,7 @@ mod classify;
 pub mod consume;
 mod error;
 pub mod execute;
+mod json_number;
 mod key;
 mod outcome;
 mod payload;

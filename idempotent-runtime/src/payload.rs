@@ -5,8 +5,14 @@ use std::borrow::Cow;
 use std::fmt;
 use std::sync::Arc;
 
+use serde::de::{
+    Deserialize, DeserializeSeed, Deserializer, IgnoredAny, MapAccess, SeqAccess, Visitor,
+};
 use serde_json::Value;
+use serde_json::value::RawValue;
 use sha2::{Digest, Sha256};
+
+use crate::json_number;
 
 /// A message payload as the runtime sees it.
 #[derive(Debug, Clone, Copy)]
@@ -98,8 +104,12 @@ impl<T: Payload + ?Sized> Payload for Arc<T> {
     }
 }
 
-/// A payload parsed once per call, for all of a key's pointer placeholders; see
+/// A call's payload, read by all of a key's pointer placeholders; see
 /// [`KeyBuilder::pointer`](crate::KeyBuilder::pointer).
+///
+/// A byte payload is not turned into a `serde_json::Value`: each pointer walks the
+/// JSON text to its value, so numbers keep every digit (see
+/// [`KeyBuilder::pointer`](crate::KeyBuilder::pointer) for how they render).
 ///
 /// ```
 /// use idempotent_runtime::{Document, KeyBuilder};
@@ -111,32 +121,182 @@ impl<T: Payload + ?Sized> Payload for Arc<T> {
 /// assert_eq!(key.finish().unwrap().as_bytes(), b"orders:42");
 /// ```
 pub struct Document<'a> {
-    parsed: Result<Cow<'a, Value>, String>,
+    source: Source<'a>,
+}
+
+enum Source<'a> {
+    Value(&'a Value),
+    Text(&'a str),
+    NotUtf8(std::str::Utf8Error),
+}
+
+/// Why a pointer gave no key part.
+pub(crate) enum PointerError {
+    /// The payload is not JSON.
+    NotJson(String),
+    /// The payload is JSON, but the value at the pointer is not a key part.
+    Unusable(Unusable),
 }
 
 impl<'a> Document<'a> {
-    /// Parses `payload` (no work when it is already a `serde_json::Value`).
+    /// Reads `payload`'s body once; the pointers then read the document.
     pub fn of<P: Payload + ?Sized>(payload: &'a P) -> Document<'a> {
-        let parsed = match payload.payload() {
-            PayloadRef::Json(value) => Ok(Cow::Borrowed(value)),
-            PayloadRef::Bytes(bytes) => {
-                serde_json::from_slice(bytes).map(Cow::Owned).map_err(|e| e.to_string())
-            }
+        let source = match payload.payload() {
+            PayloadRef::Json(value) => Source::Value(value),
+            PayloadRef::Bytes(bytes) => match std::str::from_utf8(bytes) {
+                Ok(text) => Source::Text(text),
+                Err(e) => Source::NotUtf8(e),
+            },
         };
-        Document { parsed }
+        Document { source }
     }
 
-    /// The JSON document, or why the payload is not one.
-    pub fn value(&self) -> Result<&Value, &str> {
-        match &self.parsed {
-            Ok(value) => Ok(value),
-            Err(reason) => Err(reason),
+    /// Appends the key part at `pointer` to `out`.
+    pub(crate) fn render(&self, pointer: &str, out: &mut String) -> Result<(), PointerError> {
+        match &self.source {
+            Source::NotUtf8(e) => Err(PointerError::NotJson(e.to_string())),
+            Source::Value(value) => {
+                render_value(value.pointer(pointer), out).map_err(PointerError::Unusable)
+            }
+            Source::Text(text) => {
+                let tokens: Vec<Cow<'_, str>> = pointer.split('/').skip(1).map(unescape).collect();
+                let mut de = serde_json::Deserializer::from_str(text);
+                let found = At(&tokens).deserialize(&mut de).and_then(|found| {
+                    de.end()?;
+                    Ok(found)
+                });
+                match found {
+                    Err(e) => Err(PointerError::NotJson(e.to_string())),
+                    Ok(None) => Err(PointerError::Unusable(Unusable::Missing)),
+                    Ok(Some(raw)) => render_raw(raw.get(), out).map_err(PointerError::Unusable),
+                }
+            }
         }
+    }
+}
+
+/// One RFC 6901 reference token, unescaped.
+fn unescape(token: &str) -> Cow<'_, str> {
+    if token.contains('~') {
+        Cow::Owned(token.replace("~1", "/").replace("~0", "~"))
+    } else {
+        Cow::Borrowed(token)
+    }
+}
+
+/// An array index as RFC 6901 writes it: digits, no leading zero.
+fn index(token: &str) -> Option<usize> {
+    if token.starts_with('+') || (token.starts_with('0') && token.len() > 1) {
+        return None;
+    }
+    token.parse().ok()
+}
+
+/// Walks the JSON text along the remaining tokens in one pass: the value at their end,
+/// unparsed, or `None` when nothing is there. Everything else is checked and skipped.
+/// Of an object's repeated keys the last counts, as in a `serde_json::Value`.
+struct At<'t>(&'t [Cow<'t, str>]);
+
+impl<'de> DeserializeSeed<'de> for At<'_> {
+    type Value = Option<&'de RawValue>;
+
+    fn deserialize<D: Deserializer<'de>>(self, de: D) -> Result<Self::Value, D::Error> {
+        match self.0.split_first() {
+            None => <&RawValue>::deserialize(de).map(Some),
+            Some((token, rest)) => de.deserialize_any(Step { token, rest }),
+        }
+    }
+}
+
+struct Step<'t> {
+    token: &'t str,
+    rest: &'t [Cow<'t, str>],
+}
+
+impl<'de> Visitor<'de> for Step<'_> {
+    type Value = Option<&'de RawValue>;
+
+    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("a JSON value")
+    }
+
+    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
+        let mut found = None;
+        while let Some(matches) = map.next_key_seed(KeyIs(self.token))? {
+            if matches {
+                found = map.next_value_seed(At(self.rest))?;
+            } else {
+                map.next_value::<IgnoredAny>()?;
+            }
+        }
+        Ok(found)
+    }
+
+    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Self::Value, A::Error> {
+        let mut found = None;
+        let wanted = index(self.token);
+        let mut i = 0;
+        loop {
+            if Some(i) == wanted {
+                match seq.next_element_seed(At(self.rest))? {
+                    Some(value) => found = value,
+                    None => break,
+                }
+            } else if seq.next_element::<IgnoredAny>()?.is_none() {
+                break;
+            }
+            i += 1;
+        }
+        Ok(found)
+    }
+
+    // A scalar has nothing under it.
+    fn visit_bool<E>(self, _: bool) -> Result<Self::Value, E> {
+        Ok(None)
+    }
+    fn visit_i64<E>(self, _: i64) -> Result<Self::Value, E> {
+        Ok(None)
+    }
+    fn visit_u64<E>(self, _: u64) -> Result<Self::Value, E> {
+        Ok(None)
+    }
+    fn visit_f64<E>(self, _: f64) -> Result<Self::Value, E> {
+        Ok(None)
+    }
+    fn visit_str<E>(self, _: &str) -> Result<Self::Value, E> {
+        Ok(None)
+    }
+    fn visit_unit<E>(self) -> Result<Self::Value, E> {
+        Ok(None)
+    }
+}
+
+/// Whether an object key, unescaped, is the token.
+struct KeyIs<'t>(&'t str);
+
+impl<'de> DeserializeSeed<'de> for KeyIs<'_> {
+    type Value = bool;
+
+    fn deserialize<D: Deserializer<'de>>(self, de: D) -> Result<bool, D::Error> {
+        de.deserialize_str(self)
+    }
+}
+
+impl<'de> Visitor<'de> for KeyIs<'_> {
+    type Value = bool;
+
+    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("an object key")
+    }
+
+    fn visit_str<E>(self, key: &str) -> Result<bool, E> {
+        Ok(key == self.0)
     }
 }
 
 /// Why a JSON pointer gave no usable key part.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum Unusable {
     /// Nothing at the pointer.
     Missing,
@@ -150,6 +310,8 @@ pub enum Unusable {
     Object,
     /// An array.
     Array,
+    /// A number whose exponent does not fit in 64 bits.
+    OutOfRange,
 }
 
 impl fmt::Display for Unusable {
@@ -161,15 +323,14 @@ impl fmt::Display for Unusable {
             Unusable::Bool => "it is a boolean, which cannot tell messages apart",
             Unusable::Object => "it is an object, not a string or a number",
             Unusable::Array => "it is an array, not a string or a number",
+            Unusable::OutOfRange => "it is a number whose exponent does not fit in 64 bits",
         })
     }
 }
 
-/// Renders the value at `pointer` as a key part: strings as they are, numbers
-/// canonically (an integral number renders as an integer, so `1` and `1.0` are the
-/// same key part; others in their shortest round-trip form).
-pub(crate) fn render(value: &Value, pointer: &str, out: &mut String) -> Result<(), Unusable> {
-    match value.pointer(pointer) {
+/// Renders a parsed value as a key part: a string as it is, a number canonically.
+fn render_value(value: Option<&Value>, out: &mut String) -> Result<(), Unusable> {
+    match value {
         None => Err(Unusable::Missing),
         Some(Value::Null) => Err(Unusable::Null),
         Some(Value::Bool(_)) => Err(Unusable::Bool),
@@ -181,25 +342,39 @@ pub(crate) fn render(value: &Value, pointer: &str, out: &mut String) -> Result<(
             Ok(())
         }
         Some(Value::Number(n)) => {
-            use std::fmt::Write as _;
-            let _ = match (n.as_i64(), n.as_u64(), n.as_f64()) {
-                (Some(i), _, _) => write!(out, "{i}"),
-                (_, Some(u), _) => write!(out, "{u}"),
-                (_, _, Some(f)) if f.fract() == 0.0 && f.abs() < 1e15 => {
-                    write!(out, "{}", f as i64)
-                }
-                (_, _, Some(f)) => write!(out, "{f}"),
-                _ => write!(out, "{n}"),
-            };
+            json_number::canonical_value(n, out).map_err(|_| Unusable::OutOfRange)
+        }
+    }
+}
+
+/// Renders a value's JSON text (validated) as a key part, by the same rule.
+fn render_raw(raw: &str, out: &mut String) -> Result<(), Unusable> {
+    let raw = raw.trim_start();
+    match raw.as_bytes().first() {
+        Some(b'"') => {
+            let s: Cow<'_, str> = serde_json::from_str(raw).map_err(|_| Unusable::Missing)?;
+            if s.is_empty() {
+                return Err(Unusable::EmptyString);
+            }
+            out.push_str(&s);
             Ok(())
         }
+        Some(b'{') => Err(Unusable::Object),
+        Some(b'[') => Err(Unusable::Array),
+        Some(b't' | b'f') => Err(Unusable::Bool),
+        Some(b'n') => Err(Unusable::Null),
+        _ => json_number::canonical(raw.trim_end(), out).map_err(|_| Unusable::OutOfRange),
     }
 }
 
 /// A SHA-256 fingerprint of a payload, stored with a claim under `validate = true`.
 ///
 /// JSON values (`serde_json::Value`) are hashed over their canonical form: compact,
-/// object keys sorted by their UTF-8 bytes, numbers as `serde_json` prints them.
+/// object keys sorted by their UTF-8 bytes, numbers by the rule keys use
+/// ([`KeyBuilder::pointer`](crate::KeyBuilder::pointer)), so `100`, `100.0` and `1e2`
+/// agree. A value is what the handler reads: payloads that parse to the same value
+/// (escape forms, a repeated key whose last occurrence is the same) have one
+/// fingerprint.
 /// Byte payloads (`&[u8]`, `Vec<u8>`, strings, `Bytes`, broker bodies) are hashed as
 /// they are: a redelivery carries the same bytes.
 ///
@@ -276,6 +451,13 @@ fn canonical(value: &Value, hasher: &mut Sha256) {
             }
             hasher.update(b"]");
         }
+        Value::Number(n) => {
+            let mut text = String::new();
+            match json_number::canonical_value(n, &mut text) {
+                Ok(()) => hasher.update(text.as_bytes()),
+                Err(_) => hasher.update(n.to_string().as_bytes()),
+            }
+        }
         scalar => hasher.update(scalar.to_string().as_bytes()),
     }
 }
@@ -285,9 +467,21 @@ mod tests {
     use super::*;
     use serde_json::json;
 
+    /// The key part at `pointer`, read from the value and from its JSON text, which
+    /// must agree.
     fn part(doc: &Value, pointer: &str) -> Result<String, Unusable> {
-        let mut out = String::new();
-        render(doc, pointer, &mut out).map(|()| out)
+        let read = |document: Document<'_>| {
+            let mut out = String::new();
+            match document.render(pointer, &mut out) {
+                Ok(()) => Ok(out),
+                Err(PointerError::Unusable(why)) => Err(why),
+                Err(PointerError::NotJson(reason)) => panic!("{reason}"),
+            }
+        };
+        let text = doc.to_string();
+        let from_value = read(Document::of(doc));
+        assert_eq!(from_value, read(Document::of(&text)), "{text} at {pointer}");
+        from_value
     }
 
     #[test]
@@ -309,11 +503,57 @@ mod tests {
         assert_eq!(part(&doc, "/l"), Err(Unusable::Array));
     }
 
+    fn text_part(text: &str, pointer: &str) -> Result<String, String> {
+        let mut out = String::new();
+        match Document::of(text).render(pointer, &mut out) {
+            Ok(()) => Ok(out),
+            Err(PointerError::Unusable(why)) => Err(why.to_string()),
+            Err(PointerError::NotJson(reason)) => Err(format!("not JSON: {reason}")),
+        }
+    }
+
     #[test]
-    fn documents_parse_bytes_once_and_report_garbage() {
-        let bytes = br#"{"id": 7}"#.to_vec();
-        assert_eq!(Document::of(&bytes).value().unwrap()["id"], 7);
-        assert!(Document::of("not json").value().is_err());
+    fn text_documents_are_walked_checked_and_read_like_values() {
+        let doc = r#" {"a": [10, {"b": "x\u0041"}], "a\/k": 1, "dup": 1, "dup": 2, "n": 1e400} "#;
+        assert_eq!(text_part(doc, "/a/0"), Ok("10".into()));
+        assert_eq!(text_part(doc, "/a/1/b"), Ok("xA".into()));
+        assert_eq!(text_part(doc, "/a~1k"), Ok("1".into()), "escaped key, RFC 6901 token");
+        assert_eq!(text_part(doc, "/dup"), Ok("2".into()), "the last repeated key, as in a Value");
+        assert_eq!(text_part(doc, "/n"), Ok("1e400".into()));
+        for missing in ["/a/2", "/a/01", "/a/+1", "/a/x", "/a/0/deeper", "/zz"] {
+            assert_eq!(text_part(doc, missing), Err("nothing is there".into()), "{missing}");
+        }
+        for garbage in ["not json", "", r#"{"id": 1"#, r#"{"id": 1} trailing"#, r#"{"id": 01}"#] {
+            assert!(text_part(garbage, "/id").unwrap_err().starts_with("not JSON"), "{garbage}");
+        }
+        // A value after the one found is still checked.
+        assert!(text_part(r#"{"id": 1, "x": [}"#, "/id").unwrap_err().starts_with("not JSON"));
+        let deep = format!("{}{}", "[".repeat(10_000), "]".repeat(10_000));
+        // Skipped values are checked without recursion: no stack to exhaust.
+        assert_eq!(text_part(&deep, "/0"), Err(Unusable::Array.to_string()));
+        assert!(text_part(&deep, "/1").is_err());
+        let mut out = String::new();
+        assert!(matches!(
+            Document::of(&b"{\"id\": \"\xff\"}"[..]).render("/id", &mut out),
+            Err(PointerError::NotJson(_))
+        ));
+    }
+
+    proptest::proptest! {
+        /// Integers and the floats equal to them, as a producer that re-serialises may
+        /// write them, have one fingerprint and one key part.
+        #[test]
+        fn numbers_fingerprint_and_key_by_value(i in -(1i64 << 53)..(1i64 << 53), scale in 0u32..6) {
+            let float = i as f64;
+            let exponent = format!("{}e{scale}", i as f64 / 10f64.powi(scale as i32));
+            let written: Value = serde_json::from_str(&exponent).unwrap();
+            for other in [json!({"x": float}), json!({"x": written})] {
+                if other["x"].as_f64() == Some(float) {
+                    proptest::prop_assert_eq!(Fingerprint::of(&json!({"x": i})), Fingerprint::of(&other));
+                    proptest::prop_assert_eq!(part(&other, "/x"), Ok(i.to_string()));
+                }
+            }
+        }
     }
 
     #[test]

@@ -5,6 +5,8 @@
 //!   fresh key (claim, run, complete), and through `#[idempotent]` with a key that is
 //!   already done (the duplicate path); on one thread, and with two threads
 //!   contending on one store.
+//! * `key/*`: a key with two `{/json/pointer}` placeholders read from a 300-byte broker
+//!   body, and from the same body as a parsed `serde_json::Value`.
 //!
 //! `cargo bench -p idempotent-integration --bench overhead`
 
@@ -14,7 +16,7 @@ use std::sync::{Arc, LazyLock};
 use std::time::{Duration, Instant};
 
 use criterion::{Criterion, criterion_group, criterion_main};
-use idempotent::{Claim, Key, MemoryStore, Store, idempotent};
+use idempotent::{Claim, Document, Key, KeyBuilder, MemoryStore, Store, idempotent};
 use tokio::runtime::Runtime;
 
 struct Msg {
@@ -120,9 +122,31 @@ fn handler(c: &mut Criterion) {
     group.finish();
 }
 
+/// A broker body of the usual shape: ids, amounts, a nested customer, a list of lines.
+const BODY: &str = r#"{"event":"order.paid","order":{"id":1234567890123,"tenant":"acme-eu"},"amount":{"cents":129900,"currency":"EUR"},"customer":{"id":"c_8f14e45fceea167a","email":"someone@example.com"},"lines":[{"sku":"A-100","qty":2},{"sku":"B-200","qty":1}],"sent_at":"2026-11-30T10:00:00Z"}"#;
+
+fn key(c: &mut Criterion) {
+    let value: idempotent::serde_json::Value = idempotent::serde_json::from_str(BODY).unwrap();
+    let render = |document: &Document<'_>| {
+        let mut key = KeyBuilder::new("payments");
+        key.pointer("/order/tenant", document);
+        key.text("/");
+        key.pointer("/order/id", document);
+        key.finish()
+    };
+    let mut group = c.benchmark_group("key");
+    group.bench_function("pointers_on_bytes", |b| {
+        b.iter(|| render(&Document::of(black_box(BODY.as_bytes()))))
+    });
+    group.bench_function("pointers_on_value", |b| {
+        b.iter(|| render(&Document::of(black_box(&value))))
+    });
+    group.finish();
+}
+
 fn current_thread() -> Runtime {
     tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap()
 }
 
-criterion_group!(benches, store, handler);
+criterion_group!(benches, store, handler, key);
 criterion_main!(benches);
