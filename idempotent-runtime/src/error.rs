@@ -97,9 +97,11 @@ pub enum Error<E> {
     /// The key was seen before with a different payload (only with `validate = true`).
     /// The handler did not run.
     PayloadMismatch,
-    /// `cache = true` could not store the handler's value (too large, or not
-    /// serializable), or a duplicate's stored value could not be read back as `T`.
-    /// The message's effect is recorded DONE either way: ack it.
+    /// A duplicate's stored value could not be read back as `T` (only with `cache =
+    /// true`; for example `T` changed shape since it was stored). The handler did not
+    /// run and the message's effect is recorded DONE: ack it. (A value that cannot be
+    /// stored is [`Outcome::ProcessedNotCached`](crate::Outcome::ProcessedNotCached),
+    /// which carries it.)
     Cache {
         /// What went wrong.
         reason: String,

@@ -76,7 +76,8 @@ impl Default for Spec {
 }
 
 /// The largest result `cache = true` stores, in bytes of JSON: 64 KiB. A larger
-/// result is not cached (nor truncated): the call returns [`Error::Cache`].
+/// result is not cached (nor truncated): the call returns
+/// [`Outcome::ProcessedNotCached`].
 pub const MAX_CACHED_RESULT: usize = 64 * 1024;
 
 /// One delivery: the handler's settings, the rendered key, and what `validate` and
@@ -152,13 +153,22 @@ impl<T> ResultCache<T> for JsonCache<T> {
     }
 }
 
-fn encode_json<T: serde::Serialize>(value: &T) -> Result<Option<Vec<u8>>, String> {
+/// The value as JSON, if it fits and reads back: serde_json writes a non-finite float
+/// as `null`, and a `Serialize` may not mirror its `Deserialize`. A value that would
+/// not read back is not stored, so its duplicates are plain ones rather than failed
+/// replays.
+fn encode_json<T: serde::Serialize + serde::de::DeserializeOwned>(
+    value: &T,
+) -> Result<Option<Vec<u8>>, String> {
     let bytes = serde_json::to_vec(value).map_err(|e| format!("result not cached: {e}"))?;
     if bytes.len() > MAX_CACHED_RESULT {
         return Err(format!(
             "result not cached: {} bytes of JSON, over the {MAX_CACHED_RESULT}-byte limit",
             bytes.len()
         ));
+    }
+    if let Err(e) = serde_json::from_slice::<T>(&bytes) {
+        return Err(format!("result not cached: its JSON would not read back ({e})"));
     }
     Ok(Some(bytes))
 }
@@ -390,7 +400,7 @@ where
             match completion.complete(store, &key, token, &spec, stored).await {
                 Completed::Applied => match encoded {
                     Ok(_) => Ok(Outcome::Processed(value)),
-                    Err(reason) => Err(Error::Cache { reason }),
+                    Err(reason) => Ok(Outcome::ProcessedNotCached { value, reason }),
                 },
                 Completed::LeaseLost => Err(Error::LeaseLost { attempt }),
                 Completed::Failed { error, effects_kept: true } => {

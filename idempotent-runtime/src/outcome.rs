@@ -13,6 +13,7 @@ use crate::Error;
 ///         Outcome::Replayed(receipt) => format!("already charged, receipt {receipt}"),
 ///         Outcome::Duplicate => "already charged".to_owned(),
 ///         Outcome::InProgress => "being charged by another consumer".to_owned(),
+///         Outcome::ProcessedNotCached { value, reason } => format!("charged, receipt {value} ({reason})"),
 ///     }
 /// }
 ///
@@ -32,26 +33,39 @@ pub enum Outcome<T> {
     InProgress,
     /// A duplicate whose recorded result was returned (only with `cache = true`).
     Replayed(T),
+    /// The handler ran now and its success was recorded, but its value could not be
+    /// kept for duplicates (only with `cache = true`: too large, not serializable, or
+    /// its JSON would not read back, like a NaN). Duplicates get [`Outcome::Duplicate`].
+    ProcessedNotCached {
+        /// The handler's value.
+        value: T,
+        /// Why it was not cached.
+        reason: String,
+    },
 }
 
 impl<T> Outcome<T> {
-    /// Ack for `Processed`, `Duplicate` and `Replayed`; retry for `InProgress`.
+    /// Ack for everything but `InProgress`, which is retry.
     pub fn disposition(&self) -> Disposition {
         match self {
-            Outcome::Processed(_) | Outcome::Duplicate | Outcome::Replayed(_) => Disposition::Ack,
             Outcome::InProgress => Disposition::Retry,
+            Outcome::Processed(_)
+            | Outcome::ProcessedNotCached { .. }
+            | Outcome::Duplicate
+            | Outcome::Replayed(_) => Disposition::Ack,
         }
     }
 
     /// Whether the handler ran during this call.
     pub fn is_processed(&self) -> bool {
-        matches!(self, Outcome::Processed(_))
+        matches!(self, Outcome::Processed(_) | Outcome::ProcessedNotCached { .. })
     }
 
     /// The handler's value, fresh or replayed.
     pub fn into_value(self) -> Option<T> {
         match self {
             Outcome::Processed(v) | Outcome::Replayed(v) => Some(v),
+            Outcome::ProcessedNotCached { value, .. } => Some(value),
             Outcome::Duplicate | Outcome::InProgress => None,
         }
     }
@@ -61,6 +75,9 @@ impl<T> Outcome<T> {
         match self {
             Outcome::Processed(v) => Outcome::Processed(f(v)),
             Outcome::Replayed(v) => Outcome::Replayed(f(v)),
+            Outcome::ProcessedNotCached { value, reason } => {
+                Outcome::ProcessedNotCached { value: f(value), reason }
+            }
             Outcome::Duplicate => Outcome::Duplicate,
             Outcome::InProgress => Outcome::InProgress,
         }

@@ -494,10 +494,22 @@ pub async fn cached_result_is_replayed<S: Store + ?Sized>(store: &S) {
     let out =
         run(call, store, Failure::class, Alerts::default().hook(), async { Ok::<_, Failure>(big) })
             .await;
-    let err = out.unwrap_err();
-    assert!(matches!(&err, Error::Cache { reason } if reason.contains("limit")), "{err:?}");
-    assert_eq!(err.disposition(), crate::Disposition::Ack);
+    // The caller still gets its value: the effect happened.
+    let Ok(Outcome::ProcessedNotCached { value, reason }) = &out else { panic!("{out:?}") };
+    assert!(reason.contains("limit") && value.len() == crate::execute::MAX_CACHED_RESULT + 1);
+    assert_eq!(crate::DispositionExt::disposition(&out), crate::Disposition::Ack);
     assert_eq!(claim_state(store, &big_key).await, Claim::Done, "recorded DONE, uncached");
+
+    // A value whose JSON would not read back (NaN is written as `null`) is not cached:
+    // its duplicates are plain ones, not failed replays.
+    let nan_key = fresh_key("cache-nan");
+    let call = || Call::new(spec(5), Ok(nan_key.clone())).cached::<f64>();
+    let hook = || Alerts::default().hook();
+    let out = run(call(), store, Failure::class, hook(), async { Ok::<_, Failure>(f64::NAN) });
+    let Ok(Outcome::ProcessedNotCached { value, reason }) = out.await else { panic!("NaN cached") };
+    assert!(value.is_nan() && reason.contains("read back"), "{reason}");
+    let again = run(call(), store, Failure::class, hook(), async { Ok::<_, Failure>(0.0) });
+    assert_eq!(again.await.unwrap(), Outcome::Duplicate);
 }
 
 /// 1,000 concurrent calls with one key on a multi-threaded runtime: the body runs
