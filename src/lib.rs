@@ -62,6 +62,10 @@
 //! [`DispositionExt::disposition`] on that result says whether to ack, retry or
 //! dead-letter the delivery; [`Outcome`] and [`Error`] say what happened.
 //!
+//! Handlers must be called on a Tokio runtime with its timer enabled (the lease is
+//! renewed by a timer); elsewhere the call claims nothing, runs nothing and returns
+//! [`Error::Runtime`].
+//!
 //! # Keys
 //!
 //! `key = "order:{order_id}"` names what identifies a message. Placeholders read a

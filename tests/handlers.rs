@@ -1,6 +1,7 @@
 //! Every shape of function `#[idempotent]` accepts, exercised end to end on a
 //! `MemoryStore`.
 
+use std::future::Future as _;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, Ordering};
 
@@ -201,4 +202,38 @@ async fn a_thousand_concurrent_deliveries_of_one_message_run_it_once() {
         }
     }
     assert_eq!((processed, RACE_RUNS.load(Ordering::SeqCst)), (1, 1));
+}
+
+static TIMELESS_RUNS: AtomicU32 = AtomicU32::new(0);
+static TIMELESS_STORE: std::sync::LazyLock<MemoryStore> =
+    std::sync::LazyLock::new(MemoryStore::new);
+
+#[idempotent(key = "order:{order_id}", store = TIMELESS_STORE)]
+async fn timeless(msg: OrderPlaced) -> Result<u64, PayError> {
+    TIMELESS_RUNS.fetch_add(1, Ordering::SeqCst);
+    tokio::task::yield_now().await;
+    Ok(msg.order_id)
+}
+
+/// Lease renewal needs Tokio's timer. Without one the call claims nothing, runs
+/// nothing and says why, instead of panicking half-way through the body.
+#[test]
+fn a_runtime_without_timers_or_without_tokio_is_refused_before_the_claim() {
+    let no_timer = tokio::runtime::Builder::new_current_thread().build().unwrap();
+    let err = no_timer.block_on(timeless(order(1))).unwrap_err();
+    assert!(matches!(err, Error::Runtime { .. }), "{err:?}");
+    assert!(err.to_string().contains("enable_time"), "{err}");
+    assert_eq!(err.disposition(), idempotent::Disposition::Retry);
+
+    // Outside any Tokio runtime (a bare executor polling the future).
+    let mut call = std::pin::pin!(timeless(order(1)));
+    let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
+    let std::task::Poll::Ready(Err(err)) = call.as_mut().poll(&mut cx) else {
+        panic!("expected an error at once")
+    };
+    assert!(err.to_string().contains("Tokio runtime"), "{err}");
+
+    assert_eq!(TIMELESS_RUNS.load(Ordering::SeqCst), 0, "the body never started");
+    let timers = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    assert!(timers.block_on(timeless(order(1))).unwrap().is_processed(), "nothing was claimed");
 }

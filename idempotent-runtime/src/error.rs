@@ -75,6 +75,13 @@ pub enum Error<E> {
     },
     /// The idempotency key could not be built from the message. The handler did not run.
     Key(KeyError),
+    /// The call was not made on a Tokio runtime with its timer enabled, which lease
+    /// renewal needs. Nothing was claimed and the handler did not run, so a redelivery
+    /// to a consumer on a suitable runtime processes the message.
+    Runtime {
+        /// What is missing.
+        reason: &'static str,
+    },
     /// The store could not be reached or gave an unusable answer.
     Store {
         /// What the store reported.
@@ -130,6 +137,7 @@ impl<E> Error<E> {
             Error::Retryable { .. }
             | Error::Panicked { .. }
             | Error::Store { .. }
+            | Error::Runtime { .. }
             | Error::LeaseLost { .. } => Disposition::Retry,
             Error::Cache { .. } => Disposition::Ack,
             Error::Terminal { .. }
@@ -200,6 +208,7 @@ impl<E: fmt::Display> fmt::Display for Error<E> {
                  {message}"
             ),
             Error::Key(e) => write!(f, "idempotency key could not be built: {e}"),
+            Error::Runtime { reason } => write!(f, "handler not run, nothing claimed: {reason}"),
             Error::Store { error, handler_ran: false } => write!(
                 f,
                 "store failed; no effect of the handler stands without its DONE record (it \

@@ -350,6 +350,7 @@ where
 {
     let Call { spec, key, fingerprint, cache } = call;
     let key = key.map_err(Error::Key)?;
+    timer_available().map_err(|reason| Error::Runtime { reason })?;
     let claimed_at = tokio::time::Instant::now();
     let answer = completion.claim(store, &key, &spec, fingerprint.as_ref()).await;
     let (token, attempt) = match answer {
@@ -476,6 +477,20 @@ where
 {
     let body = body.map(Ok);
     run(call, store, |e| match *e {}, crate::alert::process_sink, body).await
+}
+
+/// Whether this task runs on a Tokio runtime whose timer is enabled: lease renewal
+/// sleeps, and a sleep without a timer panics when it is created, which would happen
+/// half-way through the body. Tokio offers no way to ask, so a zero sleep is created
+/// (and dropped) under `catch_unwind`: a few nanoseconds when the timer is there.
+fn timer_available() -> Result<(), &'static str> {
+    if tokio::runtime::Handle::try_current().is_err() {
+        return Err("it was not called from within a Tokio runtime, which lease renewal needs");
+    }
+    catch_unwind(|| drop(tokio::time::sleep(Duration::ZERO))).map_err(|_| {
+        "the Tokio runtime's timer is disabled; lease renewal needs it: build the runtime \
+         with `enable_time()` or `enable_all()`"
+    })
 }
 
 /// A claim this call won, and the transitions that end it.
