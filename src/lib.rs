@@ -182,7 +182,9 @@
 //!
 //! Every transition after the claim carries the claim's random [`Token`]; a consumer
 //! whose lease ran out can never complete, release or fail the claim of the consumer
-//! that took over (it gets [`Error::LeaseLost`]).
+//! that took over (it gets [`Error::LeaseLost`], sends no alert, and, when a renewal
+//! finds the claim taken while the body runs, the body is stopped at its next await
+//! as a crash would stop it, rather than left to run beside the new owner's).
 //!
 //! # What the macro expands to
 //!

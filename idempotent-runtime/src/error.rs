@@ -94,9 +94,11 @@ pub enum Error<E> {
         /// the key stays claimed until its lease runs out, then a redelivery runs again.
         handler_ran: bool,
     },
-    /// The handler ran, but its claim expired and another consumer took the key before
-    /// the result could be recorded. Nothing was overwritten; the other consumer's
-    /// record stands.
+    /// The claim expired and another consumer took the key before this attempt's
+    /// result could be recorded. Nothing was overwritten, released or marked failed,
+    /// and no alert was sent: the key is the other consumer's. When a lease renewal
+    /// found the claim taken while the handler ran, the handler was stopped at its next
+    /// await (as a crash would stop it) rather than left to run beside the new owner.
     LeaseLost {
         /// Which attempt this was, from 1.
         attempt: u32,
@@ -221,7 +223,7 @@ impl<E: fmt::Display> fmt::Display for Error<E> {
             ),
             Error::LeaseLost { attempt } => write!(
                 f,
-                "handler finished attempt {attempt} after its claim expired and another consumer took the key; nothing was recorded"
+                "attempt {attempt} lost its claim (it expired and another consumer took the key); nothing was recorded"
             ),
             Error::PayloadMismatch => {
                 write!(f, "key was seen before with a different payload")

@@ -376,7 +376,9 @@ where
         // Every allowed attempt was started and none finished (each crashed, panicked
         // or was cancelled). Stop the loop here instead of running the handler again.
         let attempts = attempt - 1;
-        claim.fail("earlier attempts never finished").await;
+        if claim.fail("earlier attempts never finished").await.is_err() {
+            return Err(Error::LeaseLost { attempt });
+        }
         let event = claim.event(attempts, true, format!("{attempts} attempt(s) never finished"));
         alert(on_terminal, event).await;
         return Err(Error::Abandoned { attempts });
@@ -386,11 +388,17 @@ where
     // gives the key back (a no-op once the record is DONE or FAILED).
     let abandon = AbandonOnDrop { store, key: &key, token, armed: true };
     if let Err(error) = completion.begin(store, &spec).await {
-        claim.release().await;
+        let _ = claim.release().await;
         abandon.disarm();
         return Err(Error::Store { error, handler_ran: false });
     }
-    let finished = with_renewal(&claim, AssertUnwindSafe(body).catch_unwind()).await;
+    let Ok(finished) = with_renewal(&claim, AssertUnwindSafe(body).catch_unwind()).await else {
+        // Another consumer owns the key now: the body was stopped rather than left to
+        // run beside it, and nothing of this attempt is recorded.
+        completion.discard().await;
+        abandon.disarm();
+        return Err(Error::LeaseLost { attempt });
+    };
 
     let result = match finished {
         Ok(Ok(value)) => {
@@ -408,7 +416,7 @@ where
                     Err(Error::Store { error, handler_ran: true })
                 }
                 Completed::Failed { error, effects_kept: false } => {
-                    claim.release().await;
+                    let _ = claim.release().await;
                     Err(Error::Store { error, handler_ran: false })
                 }
             }
@@ -419,31 +427,46 @@ where
             // catch_unwind: a panic in it must not leave the claim dangling.
             let class = catch_unwind(AssertUnwindSafe(|| classify(&error)));
             let retryable = class.is_err() || class.is_ok_and(|c| c == ErrorClass::Retryable);
+            let message = || {
+                catch_unwind(AssertUnwindSafe(|| error.to_string()))
+                    .unwrap_or_else(|_| "(the error's Display implementation panicked)".to_owned())
+            };
             if retryable && attempt < spec.max_attempts {
-                claim.release().await;
-                Err(Error::Retryable { error, attempt })
+                match claim.release().await {
+                    Ok(()) => Err(Error::Retryable { error, attempt }),
+                    Err(Lost) => lost(attempt, message()),
+                }
             } else {
-                claim.fail("the handler failed for good").await;
-                let message = catch_unwind(AssertUnwindSafe(|| error.to_string()))
-                    .unwrap_or_else(|_| "(the error's Display implementation panicked)".to_owned());
-                alert(on_terminal, claim.event(attempt, retryable, message)).await;
-                Err(Error::Terminal { error, attempt, exhausted: retryable })
+                match claim.fail("the handler failed for good").await {
+                    Ok(()) => {
+                        alert(on_terminal, claim.event(attempt, retryable, message())).await;
+                        Err(Error::Terminal { error, attempt, exhausted: retryable })
+                    }
+                    Err(Lost) => lost(attempt, message()),
+                }
             }
         }
         Err(panic) => {
             completion.discard().await;
             let message = panic_message(&*panic);
             let exhausted = attempt >= spec.max_attempts;
-            if exhausted {
+            let ended = if exhausted {
                 // The last allowed attempt: fail it now, with what happened, rather
                 // than have the next delivery find it abandoned.
-                claim.fail("the handler panicked on its last attempt").await;
-                let event = claim.event(attempt, true, format!("the handler panicked: {message}"));
-                alert(on_terminal, event).await;
+                claim.fail("the handler panicked on its last attempt").await
             } else {
-                claim.release().await;
+                claim.release().await
+            };
+            match ended {
+                Ok(()) => {
+                    if exhausted {
+                        let why = format!("the handler panicked: {message}");
+                        alert(on_terminal, claim.event(attempt, true, why)).await;
+                    }
+                    Err(Error::Panicked { message, attempt, exhausted })
+                }
+                Err(Lost) => lost(attempt, format!("the handler panicked: {message}")),
             }
-            Err(Error::Panicked { message, attempt, exhausted })
         }
     };
     abandon.disarm();
@@ -479,6 +502,14 @@ where
     run(call, store, |e| match *e {}, crate::alert::process_sink, body).await
 }
 
+/// The answer for an attempt that ended after another consumer took its key: what the
+/// handler did is logged, and the key is left to its owner (no release, no FAILED, no
+/// alert).
+fn lost<T, E>(attempt: u32, what: String) -> Result<T, Error<E>> {
+    tracing::warn!(attempt, error = %what, "the handler failed after its claim was lost; the key is another consumer's");
+    Err(Error::LeaseLost { attempt })
+}
+
 /// Whether this task runs on a Tokio runtime whose timer is enabled: lease renewal
 /// sleeps, and a sleep without a timer panics when it is created, which would happen
 /// half-way through the body. Tokio offers no way to ask, so a zero sleep is created
@@ -493,6 +524,10 @@ fn timer_available() -> Result<(), &'static str> {
     })
 }
 
+/// The claim is no longer this call's: its lease ran out and another consumer took the
+/// key, or the record is gone.
+struct Lost;
+
 /// A claim this call won, and the transitions that end it.
 struct HeldClaim<'a, S: ?Sized> {
     spec: Spec,
@@ -505,29 +540,36 @@ struct HeldClaim<'a, S: ?Sized> {
 
 impl<S: Store + ?Sized> HeldClaim<'_, S> {
     /// Releases the claim. On failure the lease runs out instead, which has the same
-    /// effect later, so the caller's answer does not change.
-    async fn release(&self) {
+    /// effect later, so the caller's answer does not change. Returns `Err(Lost)` when
+    /// the claim was no longer ours.
+    async fn release(&self) -> Result<(), Lost> {
         match self.store.release(self.key, self.token).await {
-            Ok(Transition::Applied) => {}
+            Ok(Transition::Applied) => Ok(()),
             Ok(Transition::LeaseLost) => {
-                tracing::warn!(key = %self.key, "release skipped: the claim was already lost")
+                tracing::warn!(key = %self.key, "release skipped: the claim was already lost");
+                Err(Lost)
             }
             Err(error) => {
-                tracing::warn!(key = %self.key, %error, "release failed; the lease will run out")
+                tracing::warn!(key = %self.key, %error, "release failed; the lease will run out");
+                Ok(())
             }
         }
     }
 
     /// Marks the claim FAILED. On failure the message is still dead-lettered by the
-    /// caller; the record is then released by lease expiry.
-    async fn fail(&self, why: &str) {
+    /// caller; the record is then released by lease expiry. Returns `Err(Lost)` when
+    /// the claim was no longer ours: another consumer owns the key, so there is
+    /// nothing to alert about.
+    async fn fail(&self, why: &str) -> Result<(), Lost> {
         match self.store.fail(self.key, self.token, self.spec.ttl).await {
-            Ok(Transition::Applied) => {}
+            Ok(Transition::Applied) => Ok(()),
             Ok(Transition::LeaseLost) => {
-                tracing::warn!(key = %self.key, why, "could not mark failed: the claim was already lost")
+                tracing::warn!(key = %self.key, why, "not marked failed: the claim was already lost");
+                Err(Lost)
             }
             Err(error) => {
-                tracing::warn!(key = %self.key, why, %error, "could not mark failed")
+                tracing::warn!(key = %self.key, why, %error, "could not mark failed");
+                Ok(())
             }
         }
     }
@@ -567,7 +609,9 @@ where
 }
 
 /// Polls `body` to completion while renewing the claim's lease every third of it.
-async fn with_renewal<S, F>(claim: &HeldClaim<'_, S>, body: F) -> F::Output
+/// When a renewal finds the claim taken, the body is dropped at its next await, as a
+/// crash would stop it, rather than left to run beside the key's new owner.
+async fn with_renewal<S, F>(claim: &HeldClaim<'_, S>, body: F) -> Result<F::Output, Lost>
 where
     S: Store + ?Sized,
     F: Future,
@@ -595,8 +639,12 @@ where
                     next = sent + period;
                 }
                 Ok(Ok(Transition::LeaseLost)) => {
-                    tracing::warn!(key = %claim.key, "lease lost while the handler ran");
-                    return std::future::pending().await;
+                    tracing::warn!(
+                        key = %claim.key,
+                        "lease lost while the handler ran: another consumer owns the key; \
+                         stopping the handler"
+                    );
+                    return Lost;
                 }
                 Ok(Err(error)) => {
                     tracing::warn!(key = %claim.key, %error, "lease renewal failed; trying again");
@@ -611,8 +659,8 @@ where
     };
     tokio::select! {
         biased;
-        out = body => out,
-        never = renew => never,
+        out = body => Ok(out),
+        lost = renew => Err(lost),
     }
 }
 

@@ -378,6 +378,70 @@ pub async fn late_completion_gets_lease_lost<S: Store + ?Sized>(store: &S) {
     assert_eq!(claim_state(store, &key).await, Claim::Done);
 }
 
+/// A renewal that finds the claim taken by another consumer stops the body at its
+/// next await (as a crash would): it must not go on beside the new owner. The call
+/// reports `LeaseLost`, records nothing and sends no alert.
+pub async fn lost_lease_stops_the_body<S: Store + ?Sized>(store: &S) {
+    let (key, runs, alerts) = (fresh_key("lost-stop"), AtomicU32::new(0), Alerts::default());
+    let flaky = Flaky::new(store);
+    flaky.refuse_renewals.store(true, Ordering::SeqCst);
+    let went_on = AtomicBool::new(false);
+    let slow =
+        run(Call::new(spec(5), Ok(key.clone())), &flaky, Failure::class, alerts.hook(), async {
+            tokio::time::sleep(LEASE * 4).await;
+            went_on.store(true, Ordering::SeqCst);
+            Err::<u32, _>(Failure(ErrorClass::Terminal))
+        });
+    let takeover = async {
+        tokio::time::sleep(LEASE + Duration::from_millis(150)).await;
+        let done = call(store, &key, spec(5), &runs, &alerts, Ok(2)).await;
+        // The store answers renewals again: the next one finds the claim gone.
+        flaky.refuse_renewals.store(false, Ordering::SeqCst);
+        done
+    };
+    let (slow, takeover) = tokio::join!(slow, takeover);
+    assert_eq!(takeover.unwrap(), Outcome::Processed(2));
+    assert!(matches!(slow, Err(Error::LeaseLost { attempt: 1 })), "{slow:?}");
+    assert!(!went_on.load(Ordering::SeqCst), "the body went on after its lease was lost");
+    assert!(alerts.events().await.is_empty(), "an alert for a key another consumer completed");
+    assert_eq!(claim_state(store, &key).await, Claim::Done);
+}
+
+/// A handler that fails for good after another consumer took its key (renewals were
+/// impossible, so nothing told it) reports `LeaseLost`, not `Terminal`: the key is not
+/// kept as failed, and no alert goes out for a message the other consumer completed.
+/// The same for a retryable error and a panic: the key was not ours to release.
+pub async fn lost_lease_failure_is_not_terminal<S: Store + ?Sized>(store: &S) {
+    for (case, outcome) in [
+        ("lost-terminal", Some(ErrorClass::Terminal)),
+        ("lost-retryable", Some(ErrorClass::Retryable)),
+        ("lost-panic", None),
+    ] {
+        let (key, runs, alerts) = (fresh_key(case), AtomicU32::new(0), Alerts::default());
+        let flaky = Flaky::new(store);
+        flaky.refuse_renewals.store(true, Ordering::SeqCst);
+        // The taken-over attempt is the last but one: a retryable error would release.
+        let spec = spec(2);
+        let slow =
+            run(Call::new(spec, Ok(key.clone())), &flaky, Failure::class, alerts.hook(), async {
+                tokio::time::sleep(LEASE * 3).await;
+                match outcome {
+                    Some(class) => Err::<u32, _>(Failure(class)),
+                    None => panic!("after the lease was lost"),
+                }
+            });
+        let takeover = async {
+            tokio::time::sleep(LEASE + Duration::from_millis(150)).await;
+            call(store, &key, spec, &runs, &alerts, Ok(2)).await
+        };
+        let (slow, takeover) = tokio::join!(slow, takeover);
+        assert_eq!(takeover.unwrap(), Outcome::Processed(2), "{case}");
+        assert!(matches!(slow, Err(Error::LeaseLost { attempt: 1 })), "{case}: {slow:?}");
+        assert!(alerts.events().await.is_empty(), "{case}: alert for a key it did not own");
+        assert_eq!(claim_state(store, &key).await, Claim::Done, "{case}");
+    }
+}
+
 /// A claim renewed past its first retention keeps its record, so a consumer that dies
 /// after a long run leaves its attempt count behind (a poison message that kills long
 /// handlers still reaches `max_attempts`).
@@ -698,6 +762,8 @@ pub const CASES: &[&str] = &[
     "ttl_expiry_forgets",
     "expired_lease_is_fenced",
     "late_completion_gets_lease_lost",
+    "lost_lease_stops_the_body",
+    "lost_lease_failure_is_not_terminal",
     "renewal_keeps_slow_handler",
     "renewal_extends_retention",
     "panic_on_last_attempt_fails",
@@ -721,7 +787,8 @@ macro_rules! store_suite {
             panic_releases, dropped_future_releases, dead_consumer_claim_expires,
             unfinished_attempts_are_capped, store_unreachable_at_claim,
             store_fails_after_handler, ttl_expiry_forgets, expired_lease_is_fenced,
-            late_completion_gets_lease_lost, renewal_keeps_slow_handler,
+            late_completion_gets_lease_lost, lost_lease_stops_the_body,
+            lost_lease_failure_is_not_terminal, renewal_keeps_slow_handler,
             renewal_extends_retention, huge_durations_are_held, panic_on_last_attempt_fails,
             a_failed_completion_is_retried,
             payload_mismatch_is_refused, cached_result_is_replayed);
