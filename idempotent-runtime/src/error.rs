@@ -332,6 +332,16 @@ pub enum StoreError {
     /// instead of being retried for ever.
     #[error("store refused the record: {0}")]
     Rejected(#[source] Box<dyn std::error::Error + Send + Sync>),
+    /// A bounded store holds as many records as it may, none of them expired: the
+    /// claim of a new key is refused rather than evict a record still in use. Retry
+    /// later, when records have expired.
+    #[error(
+        "store is full: it holds its capacity of {capacity} records, none expired; new keys are refused until records expire"
+    )]
+    Full {
+        /// The most records the store holds.
+        capacity: usize,
+    },
 }
 
 impl StoreError {

@@ -350,8 +350,9 @@ where
 {
     let Call { spec, key, fingerprint, cache } = call;
     let key = key.map_err(Error::Key)?;
-    timer_available().map_err(|reason| Error::Runtime { reason })?;
     let claimed_at = tokio::time::Instant::now();
+    let first_renewal =
+        renewal_timer(claimed_at + spec.lease / 3).map_err(|reason| Error::Runtime { reason })?;
     let answer = completion.claim(store, &key, &spec, fingerprint.as_ref()).await;
     let (token, attempt) = match answer {
         Ok(Claim::Won { token, attempt }) => (token, attempt),
@@ -392,7 +393,8 @@ where
         abandon.disarm();
         return Err(Error::Store { error, handler_ran: false });
     }
-    let Ok(finished) = with_renewal(&claim, AssertUnwindSafe(body).catch_unwind()).await else {
+    let body = AssertUnwindSafe(body).catch_unwind();
+    let Ok(finished) = with_renewal(&claim, first_renewal, body).await else {
         // Another consumer owns the key now: the body was stopped rather than left to
         // run beside it, and nothing of this attempt is recorded.
         completion.discard().await;
@@ -510,17 +512,16 @@ fn lost<T, E>(attempt: u32, what: String) -> Result<T, Error<E>> {
     Err(Error::LeaseLost { attempt })
 }
 
-/// Whether this task runs on a Tokio runtime whose timer is enabled: lease renewal
-/// sleeps, and a sleep without a timer panics when it is created, which would happen
-/// half-way through the body. Tokio offers no way to ask, so a zero sleep is created
-/// (and dropped) under `catch_unwind`: a few nanoseconds when the timer is there.
-fn timer_available() -> Result<(), &'static str> {
-    if tokio::runtime::Handle::try_current().is_err() {
-        return Err("it was not called from within a Tokio runtime, which lease renewal needs");
-    }
-    catch_unwind(|| drop(tokio::time::sleep(Duration::ZERO))).map_err(|_| {
-        "the Tokio runtime's timer is disabled; lease renewal needs it: build the runtime \
-         with `enable_time()` or `enable_all()`"
+/// The timer of the first lease renewal, made before the claim: without a Tokio
+/// runtime, or on one whose timer is disabled, making it panics, which would otherwise
+/// happen half-way through the body. Tokio offers no way to ask, so the panic is
+/// caught here; the timer is the one the renewal loop needs anyway, so the check
+/// costs nothing when the runtime is fine.
+fn renewal_timer(at: tokio::time::Instant) -> Result<tokio::time::Sleep, &'static str> {
+    catch_unwind(|| tokio::time::sleep_until(at)).map_err(|_| {
+        "there is no Tokio runtime with its timer enabled here, and lease renewal needs \
+         one: call handlers from within a Tokio runtime built with `enable_time()` or \
+         `enable_all()` (as `#[tokio::main]` does)"
     })
 }
 
@@ -611,7 +612,11 @@ where
 /// Polls `body` to completion while renewing the claim's lease every third of it.
 /// When a renewal finds the claim taken, the body is dropped at its next await, as a
 /// crash would stop it, rather than left to run beside the key's new owner.
-async fn with_renewal<S, F>(claim: &HeldClaim<'_, S>, body: F) -> Result<F::Output, Lost>
+async fn with_renewal<S, F>(
+    claim: &HeldClaim<'_, S>,
+    timer: tokio::time::Sleep,
+    body: F,
+) -> Result<F::Output, Lost>
 where
     S: Store + ?Sized,
     F: Future,
@@ -625,10 +630,12 @@ where
     let period = lease / 3;
     let pause = (lease / 30).max(std::time::Duration::from_millis(1));
     let renew = async {
-        let start = claim.claimed_at;
-        let (mut held_until, mut next) = (start + lease, start + period);
+        // `timer` is already set for the first renewal, at `claimed_at + period`.
+        let mut held_until = claim.claimed_at + lease;
+        let mut next;
+        tokio::pin!(timer);
         loop {
-            tokio::time::sleep_until(next).await;
+            timer.as_mut().await;
             let sent = tokio::time::Instant::now();
             let budget = held_until.saturating_duration_since(sent).min(period).max(pause);
             let renewal =
@@ -655,6 +662,7 @@ where
                     next = tokio::time::Instant::now() + pause;
                 }
             }
+            timer.as_mut().reset(next);
         }
     };
     tokio::select! {
