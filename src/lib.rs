@@ -178,6 +178,8 @@
 //! | process dies mid-handler | claim expires after `lease` | — | redelivery is processed |
 //! | claim won after `max_attempts` unfinished attempts | FAILED, alert | `Err(Abandoned)` | dead-letter |
 //! | store unreachable at claim | unchanged, handler not run | `Err(Store { handler_ran: false })` | redeliver |
+//! | a bounded `MemoryStore` is full of unexpired records (new key) | unchanged, handler not run | `Err(Store { error: StoreError::Full, .. })` | redeliver |
+//! | called outside a Tokio runtime, or on one without its timer | unchanged, handler not run | `Err(Runtime)` | redeliver (on a correctly built runtime) |
 //! | store refuses the record for good (`StoreError::Rejected`: a foreign or unreadable record, a value the database can't hold) | unchanged | `Err(Store { .. })` | dead-letter |
 //!
 //! Every transition after the claim carries the claim's random [`Token`]; a consumer
