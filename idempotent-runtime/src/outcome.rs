@@ -109,6 +109,14 @@ pub enum Disposition {
 pub trait DispositionExt {
     /// What to tell the broker.
     fn disposition(&self) -> Disposition;
+
+    /// Whether the handler did not run because the key was claimed elsewhere
+    /// ([`Outcome::InProgress`]). A consumer that runs deliveries concurrently runs
+    /// such a delivery again once the others have settled: the claim may have been a
+    /// delivery of the same key in the same batch. `false` unless implemented.
+    fn is_in_progress(&self) -> bool {
+        false
+    }
 }
 
 impl<T, E> DispositionExt for Result<Outcome<T>, Error<E>> {
@@ -117,5 +125,9 @@ impl<T, E> DispositionExt for Result<Outcome<T>, Error<E>> {
             Ok(outcome) => outcome.disposition(),
             Err(error) => error.disposition(),
         }
+    }
+
+    fn is_in_progress(&self) -> bool {
+        matches!(self, Ok(Outcome::InProgress))
     }
 }

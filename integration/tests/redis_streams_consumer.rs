@@ -278,3 +278,34 @@ async fn an_entry_with_many_fields_is_dead_lettered() {
     let (dead, errors, left) = dead_letter_all(&consumer, &mut conn, &stream, &wanted, 3).await;
     assert_eq!(dead, wanted, "never dead-lettered ({left} pending); poll errors: {errors:?}");
 }
+
+static SAME_KEY_RUNS: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+
+#[idempotent::idempotent(key = "{/n}", store = store, namespace = "same_batch")]
+async fn slow_once(msg: StreamMessage, store: &idempotent::RedisStore) {
+    let _ = msg;
+    SAME_KEY_RUNS.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+    tokio::time::sleep(Duration::from_millis(100)).await;
+}
+
+/// Two deliveries of one key in one batch run at the same time and meet: the one
+/// that answered `InProgress` is handled again after the batch and settles as a
+/// duplicate in the same poll, instead of waiting pending for the reclaim time. At
+/// concurrency 1 they never meet.
+#[tokio::test]
+async fn a_key_delivered_twice_in_one_batch_settles_in_one_poll() {
+    let Some((stream, mut conn, client)) = stream().await else { return };
+    let store = support::shared_store().await.unwrap();
+    let store = store.with_prefix(testing::fresh_key("same-batch").namespace().to_owned());
+    for concurrency in [32, 1] {
+        publish(&mut conn, &stream, 1).await;
+        publish(&mut conn, &stream, 1).await;
+        let consumer = StreamConsumer::new(&client, &stream, "g", format!("c{concurrency}"));
+        let consumer = consumer.await.unwrap().concurrency(concurrency);
+        let polled = consumer.poll(|m| slow_once(m, &store)).await.unwrap();
+        assert_eq!(polled.acked.len(), 2, "concurrency {concurrency}: {polled:?}");
+        assert_eq!(pending(&mut conn, &stream).await, 0);
+    }
+    assert_eq!(SAME_KEY_RUNS.load(std::sync::atomic::Ordering::SeqCst), 1, "one run");
+    delete(&mut conn, &[&stream]).await;
+}

@@ -77,6 +77,12 @@ pub struct Polled {
 /// for up to the block time, and a reply timeout shorter than the block time would
 /// drop the entries a read delivered into the pending list unseen.
 ///
+/// Up to [`concurrency`](StreamConsumer::concurrency) entries of a batch (default 32)
+/// are handled at once. A consumer killed mid-batch leaves that many calls cut short,
+/// and any of them between a non-transactional effect and its DONE record runs the
+/// effect again when the entry is redelivered: the window every at-least-once
+/// consumer has, once per call in flight (`transactional` handlers close it).
+///
 /// While a batch is being handled, the entries not yet settled are touched (their
 /// idle time reset, if they are still this consumer's) every third of the reclaim
 /// idle time, so other consumers reclaim only the entries of a consumer that stopped,
@@ -111,6 +117,7 @@ pub struct StreamConsumer {
     dead_letter: String,
     payload_field: String,
     batch: usize,
+    concurrency: usize,
     block: Duration,
     reclaim_idle: Duration,
     /// Where the next `XAUTOCLAIM` scan resumes, so entries deep in the pending list
@@ -184,6 +191,7 @@ impl StreamConsumer {
             consumer: consumer.into(),
             payload_field: DEFAULT_PAYLOAD_FIELD.to_owned(),
             batch: 32,
+            concurrency: 32,
             block,
             reclaim_idle: Duration::from_secs(30),
             cursor: Default::default(),
@@ -208,6 +216,14 @@ impl StreamConsumer {
         self
     }
 
+    /// How many entries of a batch are handled at once; default 32. Up to this many
+    /// handler calls are in flight, their store round trips overlapping; `1` handles
+    /// them one after the other. Memory stays bounded by the batch size.
+    pub fn concurrency(mut self, in_flight: usize) -> Self {
+        self.concurrency = in_flight.max(1);
+        self
+    }
+
     /// How long a read waits for new entries; default 500 ms. Zero does not block
     /// (it is not Redis's `BLOCK 0`, which waits for ever). The read connection's
     /// reply timeout is this plus five seconds.
@@ -227,8 +243,12 @@ impl StreamConsumer {
     }
 
     /// Reclaims stale entries, reads new ones, and settles each with `handler`'s
-    /// disposition, one at a time in order. A quiet stream gives an empty [`Polled`]
-    /// after the block time.
+    /// disposition. Up to [`concurrency`](StreamConsumer::concurrency) handler calls
+    /// run at once; the entries they ack are acknowledged together, in one `XACK`, once
+    /// all of the batch's calls have returned (each after recording its outcome). An
+    /// entry whose call answered `InProgress` while others ran is handled again once
+    /// they are done: it may have met a delivery of the same key in the same batch. A
+    /// quiet stream gives an empty [`Polled`] after the block time.
     pub async fn poll<F, Fut, R>(&self, mut handler: F) -> RedisResult<Polled>
     where
         F: FnMut(StreamMessage) -> Fut,
@@ -243,26 +263,41 @@ impl StreamConsumer {
             std::sync::Mutex::new(entries.iter().map(|e| e.id.clone()).collect());
         let settle = async {
             let mut polled = Polled::default();
-            for entry in entries {
-                let message = self.message(entry);
-                let id = message.id.clone();
-                let fields = message.raw.clone();
-                match handler(message).await.disposition() {
-                    Disposition::Ack => {
-                        self.ack(&id).await?;
-                        polled.acked.push(id.clone());
-                    }
-                    Disposition::Retry => polled.retried.push(id.clone()),
+            let mut settled = self.handle(&mut handler, entries).await;
+            if self.concurrency > 1 {
+                // Met another delivery of the same key, most likely in this batch;
+                // those have settled now, so one more try tells.
+                let (busy, done): (Vec<_>, Vec<_>) =
+                    settled.into_iter().partition(|s| s.in_progress);
+                settled = done;
+                for mut busy in busy {
+                    let entry = Entry {
+                        id: busy.id.clone(),
+                        fields: busy.fields.clone(),
+                        delivery_count: busy.delivery_count,
+                    };
+                    let result = handler(self.message(entry)).await;
+                    busy.disposition = result.disposition();
+                    settled.push(busy);
+                }
+            }
+            let acked: Vec<String> = (settled.iter())
+                .filter(|s| s.disposition == Disposition::Ack)
+                .map(|s| s.id.clone())
+                .collect();
+            self.ack(&acked).await?;
+            polled.acked = acked;
+            for settled in settled {
+                match settled.disposition {
+                    Disposition::Ack => {}
+                    Disposition::Retry => polled.retried.push(settled.id),
                     Disposition::DeadLetter => {
-                        if self.dead_letter(&id, fields).await? {
-                            polled.dead_lettered.push(id.clone());
+                        if self.dead_letter(&settled.id, settled.fields).await? {
+                            polled.dead_lettered.push(settled.id);
                         } else {
-                            polled.taken_over.push(id.clone());
+                            polled.taken_over.push(settled.id);
                         }
                     }
-                }
-                if let Ok(mut unsettled) = unsettled.lock() {
-                    unsettled.retain(|pending| *pending != id);
                 }
             }
             Ok(polled)
@@ -281,6 +316,33 @@ impl StreamConsumer {
             polled = settle => polled,
             never = heartbeat => never,
         }
+    }
+
+    /// Runs `handler` on each entry, up to `concurrency` at once, in the batch's
+    /// order of starting.
+    async fn handle<F, Fut, R>(&self, handler: &mut F, entries: Vec<Entry>) -> Vec<Settled>
+    where
+        F: FnMut(StreamMessage) -> Fut,
+        Fut: Future<Output = R>,
+        R: DispositionExt,
+    {
+        use futures_util::StreamExt as _;
+        let calls = entries.into_iter().map(|entry| {
+            let (id, fields, delivery_count) =
+                (entry.id.clone(), entry.fields.clone(), entry.delivery_count);
+            let call = handler(self.message(entry));
+            async move {
+                let result = call.await;
+                Settled {
+                    id,
+                    fields,
+                    delivery_count,
+                    disposition: result.disposition(),
+                    in_progress: result.is_in_progress(),
+                }
+            }
+        });
+        futures_util::stream::iter(calls).buffer_unordered(self.concurrency).collect().await
     }
 
     async fn reclaim(&self) -> RedisResult<Vec<Entry>> {
@@ -353,11 +415,15 @@ impl StreamConsumer {
         }
     }
 
-    async fn ack(&self, id: &str) -> RedisResult<()> {
+    /// Acknowledges `ids` in one `XACK`.
+    async fn ack(&self, ids: &[String]) -> RedisResult<()> {
+        if ids.is_empty() {
+            return Ok(());
+        }
         redis::cmd("XACK")
             .arg(&self.stream)
             .arg(&self.group)
-            .arg(id)
+            .arg(ids)
             .query_async(&mut self.commands.clone())
             .await
     }
@@ -380,6 +446,15 @@ impl StreamConsumer {
         let acked: i64 = invocation.invoke_async(&mut self.commands.clone()).await?;
         Ok(acked == 1)
     }
+}
+
+/// An entry whose handler call has returned.
+struct Settled {
+    id: String,
+    fields: Vec<(Vec<u8>, Vec<u8>)>,
+    delivery_count: Option<usize>,
+    disposition: Disposition,
+    in_progress: bool,
 }
 
 /// A stream entry as read: its id and its fields, exactly as Redis holds them.
