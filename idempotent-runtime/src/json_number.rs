@@ -35,23 +35,25 @@ pub(crate) fn canonical(text: &str, out: &mut String) -> Result<(), OutOfRange> 
         None => (unsigned, ""),
     };
     let (integer, fraction) = mantissa.split_once('.').unwrap_or((mantissa, ""));
-    let exponent: i64 = match exponent.strip_prefix('+').unwrap_or(exponent) {
-        "" => 0,
-        digits => digits.parse().map_err(|_| OutOfRange)?,
-    };
-    let fraction_len = i64::try_from(fraction.len()).map_err(|_| OutOfRange)?;
-    // The value is `digits × 10^scale`, `digits` being `integer` and `fraction`
-    // written together.
-    let mut scale = exponent.checked_sub(fraction_len).ok_or(OutOfRange)?;
     let digits = integer.bytes().chain(fraction.bytes());
     let digits: Vec<u8> = digits.skip_while(|&d| d == b'0').collect();
     let kept = digits.iter().rposition(|&d| d != b'0').map_or(0, |last| last + 1);
     if kept == 0 {
+        // Zero, whatever its exponent.
         out.push('0');
         return Ok(());
     }
-    let dropped = i64::try_from(digits.len() - kept).map_err(|_| OutOfRange)?;
-    scale = scale.checked_add(dropped).ok_or(OutOfRange)?;
+    let exponent: i64 = match exponent.strip_prefix('+').unwrap_or(exponent) {
+        "" => 0,
+        digits => digits.parse().map_err(|_| OutOfRange)?,
+    };
+    // The value is `digits × 10^scale`, `digits` being `integer` and `fraction`
+    // written together without their leading and trailing zeros. Computed wide, so
+    // that equal values written with the exponent at the edge of 64 bits agree; only
+    // a scale that does not fit in 64 bits itself is out of range.
+    let dropped = (digits.len() - kept) as i128;
+    let scale = i128::from(exponent) - fraction.len() as i128 + dropped;
+    let scale = i64::try_from(scale).map_err(|_| OutOfRange)?;
     let digits = std::str::from_utf8(&digits[..kept]).map_err(|_| OutOfRange)?;
 
     if negative {
@@ -83,6 +85,17 @@ pub(crate) fn canonical(text: &str, out: &mut String) -> Result<(), OutOfRange> 
         out.push_str(&digits[point..]);
     }
     Ok(())
+}
+
+/// Whether `serde_json::Value` numbers keep their text (serde_json's
+/// `arbitrary_precision` feature is on in this build), rather than go through an f64.
+pub(crate) fn exact_values() -> bool {
+    static EXACT: std::sync::LazyLock<bool> = std::sync::LazyLock::new(|| {
+        let big = "18446744073709551616.5";
+        let parsed = serde_json::from_str::<serde_json::Value>(big);
+        parsed.is_ok_and(|v| serde_json::to_string(&v).is_ok_and(|text| text == big))
+    });
+    *EXACT
 }
 
 /// Appends the canonical text of a number `serde_json` parsed.
@@ -137,8 +150,12 @@ mod tests {
         }
         let mut out = String::new();
         assert_eq!(canonical("1e99999999999999999999", &mut out), Err(OutOfRange));
-        assert_eq!(canonical("1.5e-9223372036854775808", &mut out), Err(OutOfRange));
+        assert_eq!(canonical("0.1e-9223372036854775808", &mut out), Err(OutOfRange));
         assert_eq!(text("1e-9223372036854775808"), "1e-9223372036854775808");
+        assert_eq!(text("1.0e-9223372036854775808"), "1e-9223372036854775808");
+        assert_eq!(text("10e-9223372036854775808"), "1e-9223372036854775807");
+        assert_eq!(text("0e99999999999999999999"), "0", "zero, whatever its exponent");
+        assert_eq!(text("-0.000e-99999999999999999999"), "0");
     }
 
     /// A decimal value `digits × 10^scale`, and ways to write it.

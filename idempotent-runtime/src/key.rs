@@ -223,6 +223,14 @@ impl KeyBuilder {
     /// exceed 100 characters. A string and a number with the same text share a key
     /// (`"7"` and `7`). Of an object's repeated keys the last counts.
     ///
+    /// That holds for byte payloads, whose text is read here. A `serde_json::Value`
+    /// payload was parsed before: unless serde_json's `arbitrary_precision` is on, a
+    /// number that is not a 64-bit integer is an `f64` by then, so numbers that differ
+    /// only beyond its precision (`0.1` and `0.1000000000000000055511151231257827`)
+    /// already are one number, and an integer of 2^64 or more, rounded, is refused
+    /// ([`Unusable::Imprecise`](crate::Unusable::Imprecise)) rather than keyed. Pass
+    /// the bytes for exact keys.
+    ///
     /// A payload that is not JSON, or a pointer to nothing, `null`, `""`, a boolean,
     /// an object, an array or a number whose exponent overflows 64 bits, makes the key
     /// fail: the handler does not run and the message is dead-lettered.

@@ -312,6 +312,11 @@ pub enum Unusable {
     Array,
     /// A number whose exponent does not fit in 64 bits.
     OutOfRange,
+    /// In a `serde_json::Value` payload, an integer of 2^64 or more: serde_json held
+    /// it as an `f64` when the payload was parsed, rounded, so ids that differ in
+    /// their last digits would share a key. Pass the payload's bytes instead (they
+    /// keep every digit), or enable serde_json's `arbitrary_precision`.
+    Imprecise,
 }
 
 impl fmt::Display for Unusable {
@@ -324,6 +329,11 @@ impl fmt::Display for Unusable {
             Unusable::Object => "it is an object, not a string or a number",
             Unusable::Array => "it is an array, not a string or a number",
             Unusable::OutOfRange => "it is a number whose exponent does not fit in 64 bits",
+            Unusable::Imprecise => {
+                "it is an integer beyond 64 bits that serde_json rounded to a float when the \
+                 payload was parsed; pass the payload as bytes, or enable serde_json's \
+                 `arbitrary_precision`, to key on it"
+            }
         })
     }
 }
@@ -342,6 +352,12 @@ fn render_value(value: Option<&Value>, out: &mut String) -> Result<(), Unusable>
             Ok(())
         }
         Some(Value::Number(n)) => {
+            // Without `arbitrary_precision`, an integer beyond 64 bits is held as an
+            // f64, rounded: ids that differ in their last digits would share a key.
+            let float = n.as_f64().filter(|_| n.is_f64() && !json_number::exact_values());
+            if float.is_some_and(|f| f.fract() == 0.0 && f.abs() >= 18_446_744_073_709_551_616.0) {
+                return Err(Unusable::Imprecise);
+            }
             json_number::canonical_value(n, out).map_err(|_| Unusable::OutOfRange)
         }
     }
@@ -509,6 +525,40 @@ mod tests {
             Ok(()) => Ok(out),
             Err(PointerError::Unusable(why)) => Err(why.to_string()),
             Err(PointerError::NotJson(reason)) => Err(format!("not JSON: {reason}")),
+        }
+    }
+
+    /// A `Value` payload's integers beyond 64 bits went through an f64 when it was
+    /// parsed: they are refused rather than allowed to share a key. (Smaller numbers
+    /// that are not 64-bit integers are taken as serde_json parsed them.)
+    #[test]
+    fn rounded_integers_in_values_are_refused() {
+        let parse = |s: &str| serde_json::from_str::<Value>(s).unwrap();
+        let value_part = |doc: &Value| {
+            let mut out = String::new();
+            match Document::of(doc).render("/id", &mut out) {
+                Ok(()) => Ok(out),
+                Err(PointerError::Unusable(why)) => Err(why),
+                Err(PointerError::NotJson(reason)) => panic!("{reason}"),
+            }
+        };
+        for rounded in [
+            r#"{"id": 18446744073709551616}"#,
+            r#"{"id": 18446744073709551617}"#,
+            r#"{"id": -1e20}"#,
+        ] {
+            assert_eq!(value_part(&parse(rounded)), Err(Unusable::Imprecise), "{rounded}");
+            // The bytes keep every digit.
+            assert!(text_part(rounded, "/id").is_ok());
+        }
+        for exact in [
+            r#"{"id": 18446744073709551615}"#,
+            r#"{"id": -9223372036854775808}"#,
+            r#"{"id": 123456789012345.0}"#,
+            r#"{"id": 0.1}"#,
+            r#"{"id": 12345.25}"#,
+        ] {
+            assert_eq!(value_part(&parse(exact)).ok(), text_part(exact, "/id").ok(), "{exact}");
         }
     }
 

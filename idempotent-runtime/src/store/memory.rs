@@ -20,6 +20,11 @@ const EXPIRE_PER_WRITE: usize = 8;
 /// Expiry entries are grouped by time in slots of 2^27 ns (134 ms): a
 /// record is looked at in the first write after its slot has passed.
 const SLOT_SHIFT: u32 = 27;
+/// No queue entry is further ahead than 2^42 ns (73 minutes): a record whose expiry
+/// moves earlier leaves its old entry behind, and this bounds how long such stale
+/// entries stay. A record held longer is looked at once per period (at 86 million
+/// records, about 20,000 looks a second).
+const MAX_AHEAD: Tick = 1 << 42;
 
 /// Records kept in this process: the embedded default, for tests, single-instance
 /// consumers, and the quickstart. Records are lost when the process exits and are not
@@ -163,10 +168,13 @@ impl MemoryStore {
     }
 
     /// An empty store that holds at most `records` records. When it is full, a claim
-    /// of a key it does not hold first drops every record that has expired, then, if
-    /// none had, fails with [`StoreError::Full`]: the delivery is retried later, and
-    /// no record in progress or within its dedupe window is ever evicted. Keys it
-    /// holds (duplicates, retries, takeovers) are answered as usual.
+    /// of a key it does not hold first drops the records that have expired (all but
+    /// those that expired in the last 134 ms), then, if none had, fails with
+    /// [`StoreError::Full`]: the delivery is retried later, and no record in progress
+    /// or within its dedupe window is ever evicted. Keys it holds (duplicates,
+    /// retries, takeovers) are answered as usual. Besides its records, the store
+    /// keeps 8 bytes of expiry queue per record, plus 8 per record whose expiry moved
+    /// earlier (a ttl shorter than the lease) for up to 73 minutes.
     pub fn with_capacity(records: usize) -> MemoryStore {
         MemoryStore { capacity: Some(records), ..MemoryStore::new() }
     }
@@ -188,6 +196,16 @@ impl MemoryStore {
         for shard in self.shards.iter() {
             let mut shard = shard.lock();
             let dropped = shard.expire(now, usize::MAX) + shard.expire_current(now);
+            self.forget(dropped);
+        }
+    }
+
+    /// Drops the expired records of every slot that has passed (not those of the
+    /// current slot, which `purge_expired` rescans).
+    fn drop_due(&self) {
+        let now = self.now();
+        for shard in self.shards.iter() {
+            let dropped = shard.lock().expire(now, usize::MAX);
             self.forget(dropped);
         }
     }
@@ -272,7 +290,7 @@ impl MemoryStore {
                 // made now would expire: by then the record has usually moved on, and
                 // it is queued again at its expiry. Both are before any expiry the
                 // record can have, and a record has one entry in the queue at a time.
-                let check = slot(lease_until.min(later(now, ttl)));
+                let check = slot(lease_until.min(later(now, ttl)).min(now + MAX_AHEAD));
                 let record = fresh(check);
                 let entry = Entry { hash, key: key.as_bytes().into(), record };
                 shard.records.insert_unique(hash, entry, |e| e.hash);
@@ -356,7 +374,7 @@ impl Shard {
             return 1;
         }
         let record = &mut entry.into_mut().record;
-        record.queued = slot(record.expires_at);
+        record.queued = slot(record.expires_at.min(now + MAX_AHEAD));
         let queued = record.queued;
         self.enqueue(queued, hash);
         0
@@ -423,8 +441,9 @@ impl Store for MemoryStore {
         if let Some(claim) = self.try_claim(key, lease, ttl, fingerprint) {
             return Ok(claim);
         }
-        // Full: drop whatever is due everywhere, then try once more.
-        self.purge_expired();
+        // Full: drop what is due everywhere (in time proportional to it), then try
+        // once more.
+        self.drop_due();
         self.try_claim(key, lease, ttl, fingerprint)
             .ok_or(StoreError::Full { capacity: self.capacity.unwrap_or(usize::MAX) })
     }
@@ -588,6 +607,36 @@ mod tests {
         assert_eq!((store.len(), store.held.load(atomic::Ordering::Relaxed)), (1, 1));
     }
 
+    /// A ttl far shorter than the lease moves each record's expiry earlier than its
+    /// queue entry, leaving that entry behind: such entries are gone within
+    /// `MAX_AHEAD`, however long the lease.
+    #[tokio::test(start_paused = true)]
+    async fn entries_left_behind_by_earlier_expiries_do_not_pile_up() {
+        let store = MemoryStore::with_capacity(16);
+        let (long, short) = (crate::execute::Spec::MAX_DURATION, Duration::from_millis(1));
+        let entries = |store: &MemoryStore| -> usize {
+            let queues =
+                store.shards.iter().map(|s| s.lock().queue.values().map(Vec::len).sum::<usize>());
+            queues.sum()
+        };
+        for i in 0..20_000u32 {
+            let key = Key::new("leak", i.to_string()).unwrap();
+            let (token, _) = won(store.claim(&key, long, long, None).await.unwrap());
+            assert_eq!(
+                store.complete(&key, token, short, None).await.unwrap(),
+                Transition::Applied
+            );
+            tokio::time::advance(Duration::from_millis(500)).await;
+        }
+        store.purge_expired();
+        // 2^42 ns (73.3 minutes), and a slot.
+        let ahead = Duration::from_secs(4_400);
+        assert!(entries(&store) <= (ahead.as_millis() / 500) as usize + 16, "{}", entries(&store));
+        tokio::time::advance(ahead).await;
+        store.purge_expired();
+        assert_eq!((store.len(), entries(&store)), (0, 0), "entries kept for a 100-year lease");
+    }
+
     /// Two keys whose hashes collide: each is found, expired and kept by its own
     /// fields, whichever of their queue entries comes first.
     #[test]
@@ -678,6 +727,7 @@ mod tests {
                     let mut model: HashMap<u8, Rec> = HashMap::new();
                     let mut tokens: HashMap<u8, Token> = HashMap::new();
                     let mut now = 0u64;
+                    let mut last_purge = 0u64;
                     let key = |k: u8| Key::new("m", k.to_string()).unwrap();
                     for op in ops {
                         let live = |m: &HashMap<u8, Rec>, k: u8, now: u64| m.get(&k).is_some_and(|r| r.expires > now);
@@ -692,6 +742,18 @@ mod tests {
                                 let expected = if !live(&model, k, now) {
                                     if bound && live_count >= 3 {
                                         prop_assert!(matches!(got, Err(StoreError::Full { .. })), "{got:?}");
+                                        continue;
+                                    }
+                                    if let Err(StoreError::Full { .. }) = got {
+                                        // Records that expired in the current slot since
+                                        // the last purge may still take room.
+                                        let slot_of = |ms: u64| (ms * 1_000_000) >> SLOT_SHIFT;
+                                        let lingering = model.values().filter(|r| {
+                                            r.expires <= now
+                                                && r.expires > last_purge
+                                                && slot_of(r.expires) == slot_of(now)
+                                        });
+                                        prop_assert!(live_count + lingering.count() >= 3, "refused with room");
                                         continue;
                                     }
                                     model.insert(k, Rec { s: S::InProgress(now + l), attempts: 1, expires: now + retain });
@@ -763,6 +825,7 @@ mod tests {
                             }
                             Op::Purge => {
                                 store.purge_expired();
+                                last_purge = now;
                                 let live_count = model.values().filter(|r| r.expires > now).count();
                                 prop_assert_eq!(store.len(), live_count);
                             }
