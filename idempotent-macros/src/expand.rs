@@ -501,7 +501,7 @@ impl Handler {
                 };
                 (
                     quote!(::core::result::Result<#krate::Outcome<#ok>, #krate::Error<::core::convert::Infallible>>),
-                    quote!({ #check #private::run_infallible(#call_var, #store_var, #body).await }),
+                    quote!(#check #private::run_infallible(#call_var, #store_var, #body).await),
                 )
             }
         };
