@@ -380,28 +380,12 @@ impl Shard {
         0
     }
 
-    /// Drops the expired records queued in the current slot, keeping its other
-    /// entries.
+    /// Looks at the entries of the current slot as if it had passed: drops the
+    /// records that have expired, queues the others again.
     fn expire_current(&mut self, now: Tick) -> usize {
         let current = slot(now);
         let Some(hashes) = self.queue.remove(&current) else { return 0 };
-        let before = self.records.len();
-        let mut kept = Vec::with_capacity(hashes.len());
-        for hash in hashes {
-            let live = |e: &Entry| e.hash == hash && e.record.queued == current;
-            while let Ok(entry) =
-                self.records.find_entry(hash, |e| live(e) && e.record.expires_at <= now)
-            {
-                entry.remove();
-            }
-            if self.records.find(hash, live).is_some() {
-                kept.push(hash);
-            }
-        }
-        if !kept.is_empty() {
-            self.queue.insert(current, kept);
-        }
-        before - self.records.len()
+        hashes.into_iter().map(|hash| self.look_at(hash, current, now)).sum()
     }
 
     /// After a record's expiry moved: gives it an entry in an earlier slot when it now
