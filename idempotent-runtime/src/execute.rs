@@ -351,8 +351,8 @@ where
     let Call { spec, key, fingerprint, cache } = call;
     let key = key.map_err(Error::Key)?;
     let claimed_at = tokio::time::Instant::now();
-    let first_renewal =
-        renewal_timer(claimed_at + spec.lease / 3).map_err(|reason| Error::Runtime { reason })?;
+    let first_renewal = renewal_timer(claimed_at + renewal_period(spec.lease))
+        .map_err(|reason| Error::Runtime { reason })?;
     let answer = completion.claim(store, &key, &spec, fingerprint.as_ref()).await;
     let (token, attempt) = match answer {
         Ok(Claim::Won { token, attempt }) => (token, attempt),
@@ -609,6 +609,12 @@ where
     }
 }
 
+/// How long after the last applied renewal (or the claim) the next one is due: a
+/// third of the lease.
+fn renewal_period(lease: Duration) -> Duration {
+    lease / 3
+}
+
 /// Polls `body` to completion while renewing the claim's lease every third of it.
 /// When a renewal finds the claim taken, the body is dropped at its next await, as a
 /// crash would stop it, rather than left to run beside the key's new owner.
@@ -627,7 +633,7 @@ where
     // applied renewal granted: one slow renewal must not push the next one past the
     // lease's end.
     let lease = claim.spec.lease;
-    let period = lease / 3;
+    let period = renewal_period(lease);
     let pause = (lease / 30).max(std::time::Duration::from_millis(1));
     let renew = async {
         // `timer` is already set for the first renewal, at `claimed_at + period`.

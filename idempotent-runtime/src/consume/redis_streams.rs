@@ -259,8 +259,9 @@ impl StreamConsumer {
         if entries.is_empty() {
             entries = self.read().await?;
         }
-        let unsettled: std::sync::Mutex<Vec<String>> =
-            std::sync::Mutex::new(entries.iter().map(|e| e.id.clone()).collect());
+        // Touched while the batch is handled; those already acked are skipped by the
+        // touch script, which only touches entries still pending for this consumer.
+        let unsettled: Vec<String> = entries.iter().map(|e| e.id.clone()).collect();
         let settle = async {
             let mut polled = Polled::default();
             let mut settled = self.handle(&mut handler, entries).await;
@@ -271,31 +272,26 @@ impl StreamConsumer {
                     settled.into_iter().partition(|s| s.in_progress);
                 settled = done;
                 for mut busy in busy {
-                    let entry = Entry {
-                        id: busy.id.clone(),
-                        fields: busy.fields.clone(),
-                        delivery_count: busy.delivery_count,
-                    };
-                    let result = handler(self.message(entry)).await;
+                    let result = handler(self.message(busy.entry.clone())).await;
                     busy.disposition = result.disposition();
                     settled.push(busy);
                 }
             }
             let acked: Vec<String> = (settled.iter())
                 .filter(|s| s.disposition == Disposition::Ack)
-                .map(|s| s.id.clone())
+                .map(|s| s.entry.id.clone())
                 .collect();
             self.ack(&acked).await?;
             polled.acked = acked;
-            for settled in settled {
-                match settled.disposition {
+            for Settled { entry, disposition, .. } in settled {
+                match disposition {
                     Disposition::Ack => {}
-                    Disposition::Retry => polled.retried.push(settled.id),
+                    Disposition::Retry => polled.retried.push(entry.id),
                     Disposition::DeadLetter => {
-                        if self.dead_letter(&settled.id, settled.fields).await? {
-                            polled.dead_lettered.push(settled.id);
+                        if self.dead_letter(&entry.id, entry.fields).await? {
+                            polled.dead_lettered.push(entry.id);
                         } else {
-                            polled.taken_over.push(settled.id);
+                            polled.taken_over.push(entry.id);
                         }
                     }
                 }
@@ -305,8 +301,7 @@ impl StreamConsumer {
         let heartbeat = async {
             loop {
                 tokio::time::sleep(self.reclaim_idle / 3).await;
-                let ids = unsettled.lock().map(|ids| ids.clone()).unwrap_or_default();
-                if let Err(error) = self.touch(&ids).await {
+                if let Err(error) = self.touch(&unsettled).await {
                     tracing::warn!(%error, stream = %self.stream, "touching pending entries failed");
                 }
             }
@@ -328,15 +323,11 @@ impl StreamConsumer {
     {
         use futures_util::StreamExt as _;
         let calls = entries.into_iter().map(|entry| {
-            let (id, fields, delivery_count) =
-                (entry.id.clone(), entry.fields.clone(), entry.delivery_count);
-            let call = handler(self.message(entry));
+            let call = handler(self.message(entry.clone()));
             async move {
                 let result = call.await;
                 Settled {
-                    id,
-                    fields,
-                    delivery_count,
+                    entry,
                     disposition: result.disposition(),
                     in_progress: result.is_in_progress(),
                 }
@@ -450,14 +441,13 @@ impl StreamConsumer {
 
 /// An entry whose handler call has returned.
 struct Settled {
-    id: String,
-    fields: Vec<(Vec<u8>, Vec<u8>)>,
-    delivery_count: Option<usize>,
+    entry: Entry,
     disposition: Disposition,
     in_progress: bool,
 }
 
 /// A stream entry as read: its id and its fields, exactly as Redis holds them.
+#[derive(Clone)]
 struct Entry {
     id: String,
     fields: Vec<(Vec<u8>, Vec<u8>)>,
