@@ -1,14 +1,15 @@
 //! The RabbitMQ consumer's own guarantees: dead letters are published and confirmed
 //! by the consumer, whatever the queue's broker-side settings, and do not expire with
 //! the message's TTL; a missing dead-letter queue is an error at start-up; a retry's
-//! delay does not hold up other deliveries; a `next` dropped mid-handler requeues its
-//! delivery.
+//! delay does not hold up other deliveries; a `next` or `run` dropped mid-handler
+//! requeues what it holds; `run` keeps at most `concurrency` calls in flight and
+//! settles two deliveries of one key in one pass.
 
 use std::time::{Duration, Instant};
 
 use idempotent::consume::rabbitmq::{RabbitConsumer, RabbitMessage};
 use idempotent::testing;
-use idempotent::{Disposition, Error, Outcome};
+use idempotent::{Disposition, DispositionExt as _, Error, MemoryStore, Outcome, idempotent};
 use lapin::options::{BasicGetOptions, BasicPublishOptions, BasicQosOptions, QueueDeclareOptions};
 use lapin::types::{AMQPValue, FieldTable};
 use lapin::{BasicProperties, Channel, Connection, ConnectionProperties};
@@ -217,4 +218,103 @@ async fn a_dropped_next_requeues_its_delivery() {
         "the delivery of the cancelled call was never settled nor redelivered: it stays \
          unacked on the live channel for ever"
     );
+}
+
+/// `run` starts no more than `concurrency` calls, and when it is dropped with calls
+/// in flight, their deliveries come back to be handled.
+#[tokio::test]
+async fn run_is_bounded_and_a_dropped_run_requeues_what_it_holds() {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    let Some((_connection, channel)) = open().await else { return };
+    let queue = testing::fresh_key("rabbit-run").namespace().to_owned();
+    plain_queue(&channel, &queue).await;
+    plain_queue(&channel, &format!("{queue}.dead")).await;
+    for i in 0..10 {
+        publish(&channel, &queue, &format!("m{i}")).await;
+    }
+    let (_c, consumer_channel) = open().await.unwrap();
+    consumer_channel.basic_qos(10, BasicQosOptions::default()).await.unwrap();
+    let consumer =
+        RabbitConsumer::new(&consumer_channel, &queue, "c").await.unwrap().concurrency(4);
+    let started = AtomicUsize::new(0);
+    let hung = consumer.run(|_: RabbitMessage| {
+        started.fetch_add(1, Ordering::SeqCst);
+        async {
+            std::future::pending::<()>().await;
+            Settled::Ok(Outcome::Processed(()))
+        }
+    });
+    let stopped = tokio::time::timeout(Duration::from_millis(1500), hung).await;
+    assert!(stopped.is_err(), "run ended by itself");
+    assert_eq!(started.load(Ordering::SeqCst), 4, "calls in flight beyond the concurrency");
+
+    let handled = std::sync::Mutex::new(std::collections::BTreeSet::new());
+    let all = async {
+        while handled.lock().unwrap().len() < 10 {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    };
+    let run = consumer.run(|m: RabbitMessage| {
+        handled.lock().unwrap().insert(String::from_utf8(m.body).unwrap());
+        async { Settled::Ok(Outcome::Processed(())) }
+    });
+    tokio::select! {
+        () = all => {}
+        ended = run => panic!("run ended: {ended:?}"),
+        () = tokio::time::sleep(Duration::from_secs(10)) => {
+            panic!("only {:?} came back", handled.lock().unwrap())
+        }
+    }
+}
+
+#[idempotent(key = "{/id}", store = store, namespace = "rabbit-twice")]
+async fn slow_once(msg: RabbitMessage, store: &MemoryStore, effects: &std::sync::Mutex<u32>) {
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    *effects.lock().unwrap() += 1;
+    let _ = msg;
+}
+
+/// Two deliveries of one key in flight together in one consumer: the second meets
+/// the first's claim, is handled again once the first is done, and acks as a
+/// duplicate at once, rather than being requeued to come back a retry delay later.
+#[tokio::test]
+async fn a_key_delivered_twice_settles_both_in_one_pass() {
+    let Some((_connection, channel)) = open().await else { return };
+    let queue = testing::fresh_key("rabbit-twice").namespace().to_owned();
+    plain_queue(&channel, &queue).await;
+    plain_queue(&channel, &format!("{queue}.dead")).await;
+    publish(&channel, &queue, r#"{"id":1}"#).await;
+    publish(&channel, &queue, r#"{"id":1}"#).await;
+    let (_c, consumer_channel) = open().await.unwrap();
+    consumer_channel.basic_qos(10, BasicQosOptions::default()).await.unwrap();
+    let consumer = RabbitConsumer::new(&consumer_channel, &queue, "c")
+        .await
+        .unwrap()
+        .retry_delay(Duration::from_secs(30));
+    let (store, effects) = (MemoryStore::new(), std::sync::Mutex::new(0));
+    let settled = std::sync::Mutex::new(Vec::new());
+    let both = async {
+        while settled.lock().unwrap().len() < 2 {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    };
+    let run = consumer.run(|m: RabbitMessage| {
+        let (store, effects, settled) = (&store, &effects, &settled);
+        async move {
+            let result = slow_once(m, store, effects).await;
+            if !result.is_in_progress() {
+                settled.lock().unwrap().push(result.disposition());
+            }
+            result
+        }
+    });
+    tokio::select! {
+        () = both => {}
+        ended = run => panic!("run ended: {ended:?}"),
+        () = tokio::time::sleep(Duration::from_secs(5)) => {
+            panic!("settled only {:?}: the second delivery was left for a retry", settled.lock().unwrap())
+        }
+    }
+    assert_eq!(*settled.lock().unwrap(), vec![Disposition::Ack, Disposition::Ack]);
+    assert_eq!(*effects.lock().unwrap(), 1);
 }

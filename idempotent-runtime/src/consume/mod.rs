@@ -8,6 +8,13 @@
 //! written, and a consumer that dies mid-handler leaves its deliveries unacked for
 //! redelivery.
 
+#[cfg(any(feature = "rabbitmq", feature = "nats", feature = "kafka"))]
+mod concurrent;
+
+/// How many deliveries a consumer handles at once unless told otherwise (each
+/// consumer's `concurrency`).
+pub const DEFAULT_CONCURRENCY: usize = 32;
+
 #[cfg(feature = "kafka")]
 #[cfg_attr(docsrs, doc(cfg(feature = "kafka")))]
 pub mod kafka;

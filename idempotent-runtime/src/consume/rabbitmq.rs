@@ -10,6 +10,8 @@ use lapin::options::{
 use lapin::types::{AMQPValue, FieldTable};
 use lapin::{BasicProperties, Channel, Confirmation, ExchangeKind};
 
+use super::DEFAULT_CONCURRENCY;
+use super::concurrent::{Answer, settle_concurrently};
 use crate::{Disposition, DispositionExt, Payload, PayloadRef};
 
 /// One delivery from a queue.
@@ -71,8 +73,10 @@ fn name(name: &str) -> lapin::Result<lapin::types::ShortString> {
 
 /// A consumer on one queue with manual acknowledgements.
 ///
-/// [`next`](RabbitConsumer::next) hands the next delivery to a handler and settles it
-/// by the result's disposition:
+/// [`run`](RabbitConsumer::run) hands deliveries to a handler, up to
+/// [`concurrency`](RabbitConsumer::concurrency) at once (default 32), and settles
+/// each by its result's disposition as soon as its call returns
+/// ([`next`](RabbitConsumer::next) does the same for one delivery):
 ///
 /// * Ack → `basic.ack`.
 /// * Retry → `basic.nack` with `requeue` after the retry delay (default 1 s, so a
@@ -92,6 +96,11 @@ fn name(name: &str) -> lapin::Result<lapin::types::ShortString> {
 /// not send is an error, never reported as done. Unacked deliveries of a consumer
 /// whose connection dies are redelivered by the broker.
 ///
+/// Each delivery is acked on its own (`basic.ack` without `multiple`): a multiple ack
+/// would also ack the deliveries of lower tags that are still being handled or held
+/// for a retry, and tags are counted per channel, which other consumers may share. An
+/// ack is a frame with no reply, so acking one by one costs no round trips.
+///
 /// ```no_run
 /// # async fn demo() -> lapin::Result<()> {
 /// use idempotent_runtime::consume::rabbitmq::{RabbitConsumer, RabbitMessage, declare_with_dead_letter};
@@ -107,10 +116,9 @@ fn name(name: &str) -> lapin::Result<lapin::types::ShortString> {
 /// let connection = Connection::connect(url, ConnectionProperties::default()).await?;
 /// let channel = connection.create_channel().await?;
 /// declare_with_dead_letter(&channel, "orders").await?;
-/// let mut consumer = RabbitConsumer::new(&channel, "orders", "billing-1").await?;
-/// while let Some(settled) = consumer.next(handle).await {
-///     settled?;
-/// }
+/// channel.basic_qos(64, Default::default()).await?;
+/// let consumer = RabbitConsumer::new(&channel, "orders", "billing-1").await?.concurrency(32);
+/// consumer.run(handle).await?;
 /// # Ok(()) }
 /// ```
 pub struct RabbitConsumer {
@@ -119,6 +127,7 @@ pub struct RabbitConsumer {
     queue: String,
     dead_letter: String,
     retry_delay: std::time::Duration,
+    concurrency: usize,
 }
 
 impl RabbitConsumer {
@@ -149,6 +158,7 @@ impl RabbitConsumer {
             queue: queue.to_owned(),
             dead_letter: dead_letter.to_owned(),
             retry_delay: std::time::Duration::from_secs(1),
+            concurrency: DEFAULT_CONCURRENCY,
         })
     }
 
@@ -158,49 +168,66 @@ impl RabbitConsumer {
         self
     }
 
+    /// How many deliveries [`run`](RabbitConsumer::run) handles at once; default
+    /// [`DEFAULT_CONCURRENCY`] (32). The channel's prefetch (`basic_qos`) should be at
+    /// least this, or the broker hands out fewer.
+    pub fn concurrency(mut self, in_flight: usize) -> Self {
+        self.concurrency = in_flight.max(1);
+        self
+    }
+
+    /// Handles deliveries until the consumer is cancelled or its channel closes (then
+    /// `Ok`), or a delivery or a settle fails (then that error): up to
+    /// [`concurrency`](RabbitConsumer::concurrency) handler calls at once, each
+    /// delivery settled by its own result as soon as its call returns, as
+    /// [`next`](RabbitConsumer::next) settles one. A delivery whose call answered
+    /// `InProgress` while other calls ran is handled once more after them (it may
+    /// have met a delivery of the same key here). Deliveries in hand when the future
+    /// is dropped or returns an error are requeued.
+    pub async fn run<F, Fut, R>(&self, mut handler: F) -> lapin::Result<()>
+    where
+        F: FnMut(RabbitMessage) -> Fut,
+        Fut: Future<Output = R>,
+        R: DispositionExt,
+    {
+        let deliveries = self.consumer.clone().map(|delivery| delivery.map(Held::new));
+        let call = |held: &Held| {
+            let call = handler(held.message.clone());
+            async move { Answer::of(&call.await) }
+        };
+        settle_concurrently(deliveries, self.concurrency, call, |held, disposition| {
+            self.settle(held, disposition)
+        })
+        .await
+    }
+
     /// Waits for the next delivery, runs `handler` on it and settles it (a Retry's
     /// requeue happens after the retry delay, in the background). `None` when the
-    /// consumer was cancelled or its channel closed.
+    /// consumer was cancelled or its channel closed. One delivery at a time; see
+    /// [`run`](RabbitConsumer::run) for many.
     pub async fn next<F, Fut, R>(&mut self, handler: F) -> Option<lapin::Result<Disposition>>
     where
         F: FnOnce(RabbitMessage) -> Fut,
         Fut: Future<Output = R>,
         R: DispositionExt,
     {
-        let delivery = match self.consumer.next().await? {
-            Ok(delivery) => delivery,
+        let held = match self.consumer.next().await? {
+            Ok(delivery) => Held::new(delivery),
             Err(e) => return Some(Err(e)),
         };
-        // Until it is settled, a dropped call (a timeout, a `select!`) requeues the
-        // delivery instead of leaving it unacked on a channel that stays open.
-        let mut unsettled = Unsettled(Some(delivery.acker.clone()));
-        let acker = delivery.acker.clone();
-        let message = RabbitMessage {
-            body: delivery.data,
-            routing_key: delivery.routing_key.to_string(),
-            redelivered: delivery.redelivered,
-            properties: delivery.properties,
-        };
-        let copy = message.clone();
-        let disposition = handler(message).await.disposition();
-        let settled = self.settle(acker, disposition, copy).await;
-        unsettled.0 = None;
-        Some(settled.map(|()| disposition))
+        let disposition = handler(held.message.clone()).await.disposition();
+        Some(self.settle(held, disposition).await.map(|()| disposition))
     }
 
-    async fn settle(
-        &self,
-        acker: lapin::Acker,
-        disposition: Disposition,
-        copy: RabbitMessage,
-    ) -> lapin::Result<()> {
-        match disposition {
+    async fn settle(&self, mut held: Held, disposition: Disposition) -> lapin::Result<()> {
+        let acker = held.acker.clone();
+        let settled = match disposition {
             Disposition::Ack => sent(acker.ack(BasicAckOptions::default()).await),
             Disposition::Retry => {
                 requeue_later(acker, self.retry_delay);
                 Ok(())
             }
-            Disposition::DeadLetter => match self.publish_dead_letter(copy).await {
+            Disposition::DeadLetter => match self.publish_dead_letter(&held.message).await {
                 Ok(()) => sent(acker.ack(BasicAckOptions::default()).await),
                 Err(error) => {
                     let requeue = BasicNackOptions { multiple: false, requeue: true };
@@ -208,12 +235,14 @@ impl RabbitConsumer {
                     Err(error)
                 }
             },
-        }
+        };
+        held.unsettled.0 = None;
+        settled
     }
 
     /// Publishes `message` to the dead-letter queue and waits for the broker to
     /// confirm it was stored; refused or unroutable is an error.
-    async fn publish_dead_letter(&self, message: RabbitMessage) -> lapin::Result<()> {
+    async fn publish_dead_letter(&self, message: &RabbitMessage) -> lapin::Result<()> {
         let mut headers = message.properties.headers().clone().unwrap_or_default();
         headers.insert(
             "x-idempotent-source-queue".into(),
@@ -286,6 +315,31 @@ fn dead_letter_properties(original: &BasicProperties, headers: FieldTable) -> Ba
         copy = copy.with_cluster_id(v);
     }
     copy
+}
+
+/// A delivery in hand: the message (handed to the handler as a copy, and kept for a
+/// dead-letter copy) and its acker.
+struct Held {
+    message: RabbitMessage,
+    acker: lapin::Acker,
+    // Until it is settled, a dropped call (a timeout, a `select!`) requeues the
+    // delivery instead of leaving it unacked on a channel that stays open.
+    unsettled: Unsettled,
+}
+
+impl Held {
+    fn new(delivery: lapin::message::Delivery) -> Held {
+        Held {
+            unsettled: Unsettled(Some(delivery.acker.clone())),
+            acker: delivery.acker,
+            message: RabbitMessage {
+                body: delivery.data,
+                routing_key: delivery.routing_key.to_string(),
+                redelivered: delivery.redelivered,
+                properties: delivery.properties,
+            },
+        }
+    }
 }
 
 /// A delivery handed to a handler and not settled yet; dropped unsettled, it is

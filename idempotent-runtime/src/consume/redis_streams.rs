@@ -191,7 +191,7 @@ impl StreamConsumer {
             consumer: consumer.into(),
             payload_field: DEFAULT_PAYLOAD_FIELD.to_owned(),
             batch: 32,
-            concurrency: 32,
+            concurrency: super::DEFAULT_CONCURRENCY,
             block,
             reclaim_idle: Duration::from_secs(30),
             cursor: Default::default(),

@@ -1,0 +1,221 @@
+//! The settle loop the consumers share: up to n deliveries in flight, each settled
+//! as soon as its handler call returns.
+
+use std::collections::BTreeSet;
+use std::future::Future;
+
+use futures_util::future::Either;
+use futures_util::stream::{FuturesUnordered, Stream, StreamExt as _};
+
+use crate::{Disposition, DispositionExt};
+
+/// What a handler call answered.
+pub(crate) struct Answer {
+    pub(crate) disposition: Disposition,
+    pub(crate) in_progress: bool,
+}
+
+impl Answer {
+    pub(crate) fn of(result: &impl DispositionExt) -> Answer {
+        Answer { disposition: result.disposition(), in_progress: result.is_in_progress() }
+    }
+}
+
+/// Reads deliveries from `deliveries` while fewer than `concurrency` are in hand,
+/// starts `call` on each, and settles each with `settle` once its call returns; calls
+/// and settles overlap. Returns when the deliveries end and every one taken is
+/// settled, or with the first error of the stream or of a settle (the deliveries in
+/// hand are then dropped unsettled, as they are when the returned future is dropped:
+/// each broker's delivery type says what that means).
+///
+/// A call that answers `InProgress` while other calls of this loop ran may have met
+/// another delivery of the same key in this consumer: it is called once more when
+/// every call that had started before it answered has returned (its key is then
+/// settled, or held by another consumer), and that second answer settles it. So a
+/// key delivered twice close together settles both deliveries in one pass instead of
+/// leaving one for a redelivery.
+pub(crate) async fn settle_concurrently<D, E, S, C, CF, T, TF>(
+    deliveries: S,
+    concurrency: usize,
+    mut call: C,
+    mut settle: T,
+) -> Result<(), E>
+where
+    S: Stream<Item = Result<D, E>>,
+    C: FnMut(&D) -> CF,
+    CF: Future<Output = Answer>,
+    T: FnMut(D, Disposition) -> TF,
+    TF: Future<Output = Result<(), E>>,
+{
+    let concurrency = concurrency.max(1);
+    let mut deliveries = std::pin::pin!(deliveries.fuse());
+    let mut work = FuturesUnordered::new();
+    // Sequence numbers of the calls running, and calls waiting to run again once the
+    // calls started before the given number have returned.
+    let mut calls = Calls::default();
+    let mut waiting: Vec<(u64, D)> = Vec::new();
+    let mut ended = false;
+    let mut start = |delivery: D, again: bool, calls: &mut Calls| {
+        calls.started += 1;
+        let seq = calls.started;
+        calls.running.insert(seq);
+        let answer = call(&delivery);
+        Either::Left(async move { Step::Called { seq, delivery, answer: answer.await, again } })
+    };
+    loop {
+        let oldest = calls.running.first().copied();
+        let mut index = 0;
+        while index < waiting.len() {
+            if oldest.is_none_or(|oldest| oldest > waiting[index].0) {
+                let (_, delivery) = waiting.swap_remove(index);
+                work.push(start(delivery, true, &mut calls));
+            } else {
+                index += 1;
+            }
+        }
+        if ended && work.is_empty() && waiting.is_empty() {
+            return Ok(());
+        }
+        let room = work.len() + waiting.len() < concurrency;
+        tokio::select! {
+            next = deliveries.next(), if room && !ended => match next {
+                Some(Ok(delivery)) => work.push(start(delivery, false, &mut calls)),
+                Some(Err(error)) => return Err(error),
+                None => ended = true,
+            },
+            Some(step) = work.next(), if !work.is_empty() => match step {
+                Step::Called { seq, delivery, answer, again } => {
+                    calls.running.remove(&seq);
+                    if answer.in_progress && !again && concurrency > 1 {
+                        waiting.push((calls.started, delivery));
+                    } else {
+                        let settled = settle(delivery, answer.disposition);
+                        work.push(Either::Right(async move { Step::Settled(settled.await) }));
+                    }
+                }
+                Step::Settled(result) => result?,
+            },
+        }
+    }
+}
+
+/// The calls started so far, and those still running, by sequence number.
+#[derive(Default)]
+struct Calls {
+    started: u64,
+    running: BTreeSet<u64>,
+}
+
+enum Step<D, E> {
+    Called { seq: u64, delivery: D, answer: Answer, again: bool },
+    Settled(Result<(), E>),
+}
+
+#[cfg(test)]
+mod tests {
+    use std::cell::RefCell;
+    use std::collections::HashMap;
+    use std::rc::Rc;
+    use std::time::Duration;
+
+    use super::*;
+
+    /// A key claimed by a call until it returns; a second call meeting it answers
+    /// `InProgress` (as the store would), and a call meeting a settled key acks.
+    #[derive(Default)]
+    struct Keys {
+        held: HashMap<u32, ()>,
+        done: HashMap<u32, u32>,
+        in_flight: usize,
+        most_in_flight: usize,
+        settled: Vec<(u32, Disposition)>,
+    }
+
+    async fn run(
+        deliveries: Vec<u32>,
+        concurrency: usize,
+        keys: Rc<RefCell<Keys>>,
+        fail_settle_of: Option<u32>,
+    ) -> Result<(), &'static str> {
+        let stream = futures_util::stream::iter(deliveries.into_iter().map(Ok));
+        let call = |&key: &u32| {
+            let keys = keys.clone();
+            async move {
+                {
+                    let mut k = keys.borrow_mut();
+                    k.in_flight += 1;
+                    k.most_in_flight = k.most_in_flight.max(k.in_flight);
+                    if k.done.contains_key(&key) {
+                        k.in_flight -= 1;
+                        return Answer { disposition: Disposition::Ack, in_progress: false };
+                    }
+                    if k.held.insert(key, ()).is_some() {
+                        k.in_flight -= 1;
+                        return Answer { disposition: Disposition::Retry, in_progress: true };
+                    }
+                }
+                tokio::time::sleep(Duration::from_millis(10 + u64::from(key % 7))).await;
+                let mut k = keys.borrow_mut();
+                k.held.remove(&key);
+                *k.done.entry(key).or_default() += 1;
+                k.in_flight -= 1;
+                Answer { disposition: Disposition::Ack, in_progress: false }
+            }
+        };
+        let settle = |key: u32, disposition| {
+            let keys = keys.clone();
+            async move {
+                if fail_settle_of == Some(key) {
+                    return Err("settle failed");
+                }
+                keys.borrow_mut().settled.push((key, disposition));
+                Ok(())
+            }
+        };
+        settle_concurrently(stream, concurrency, call, settle).await
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn every_delivery_settles_with_at_most_n_calls_in_flight() {
+        for concurrency in [1, 4, 32] {
+            let keys = Rc::new(RefCell::new(Keys::default()));
+            run((0..200).collect(), concurrency, keys.clone(), None).await.unwrap();
+            let keys = keys.borrow();
+            assert_eq!(keys.settled.len(), 200);
+            assert!(keys.settled.iter().all(|&(_, d)| d == Disposition::Ack));
+            assert_eq!(keys.most_in_flight, concurrency.min(200));
+        }
+    }
+
+    /// Two deliveries of one key in flight together: the second meets the first's
+    /// claim, is called again once the first returned, and acks as a duplicate; the
+    /// key takes effect once and nothing is left for a redelivery.
+    #[tokio::test(start_paused = true)]
+    async fn a_key_met_in_progress_here_is_called_again_after_the_holder() {
+        let keys = Rc::new(RefCell::new(Keys::default()));
+        let deliveries = vec![1, 2, 1, 3, 1, 4, 2];
+        run(deliveries, 8, keys.clone(), None).await.unwrap();
+        let keys = keys.borrow();
+        assert_eq!(keys.settled.len(), 7);
+        assert!(keys.settled.iter().all(|&(_, d)| d == Disposition::Ack), "{:?}", keys.settled);
+        assert!(keys.done.values().all(|&n| n == 1));
+    }
+
+    /// At concurrency 1 nothing else runs, so `InProgress` means another consumer:
+    /// settled as it is.
+    #[tokio::test(start_paused = true)]
+    async fn alone_an_in_progress_answer_is_settled_as_it_is() {
+        let keys = Rc::new(RefCell::new(Keys::default()));
+        keys.borrow_mut().held.insert(5, ());
+        run(vec![5], 1, keys.clone(), None).await.unwrap();
+        assert_eq!(keys.borrow().settled, vec![(5, Disposition::Retry)]);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_failed_settle_stops_the_loop_with_its_error() {
+        let keys = Rc::new(RefCell::new(Keys::default()));
+        let stopped = run((0..100).collect(), 4, keys.clone(), Some(10)).await;
+        assert_eq!(stopped, Err("settle failed"));
+        assert!(keys.borrow().settled.len() < 100);
+    }
+}
