@@ -3,7 +3,7 @@
 //! killed with its connection, then restarted; retryable and terminal handler errors.
 //! Every unique message must take effect exactly once, nothing may be lost, terminal
 //! ones must reach the dead-letter subject, and no message may be acked before its
-//! record is written.
+//! record is written: at the default concurrency and one message at a time.
 
 mod orders;
 
@@ -41,6 +41,16 @@ async fn connect() -> Option<async_nats::Client> {
 
 #[test]
 fn two_consumers_one_killed_every_message_once() {
+    scenario(None);
+}
+
+#[test]
+fn one_message_at_a_time_every_message_once() {
+    scenario(Some(1));
+}
+
+/// The scenario, with the consumers' default concurrency or the one given.
+fn scenario(concurrency: Option<usize>) {
     block_on(async {
         let Some(client) = connect().await else { return };
         let js = jetstream::new(client);
@@ -90,20 +100,25 @@ fn two_consumers_one_killed_every_message_once() {
                 let js = jetstream::new(connect().await.unwrap());
                 let durable: jetstream::consumer::PullConsumer =
                     js.get_consumer_from_stream("billing", &stream_name).await.unwrap();
-                let mut consumer = NatsConsumer::new(&durable, js.clone(), dead_subject)
+                let consumer = NatsConsumer::new(&durable, js.clone(), dead_subject)
                     .await
                     .unwrap()
                     .retry_delay(Duration::from_millis(200));
-                loop {
-                    let settled = consumer.next(|m| async {
+                let consumer = match concurrency {
+                    Some(n) => consumer.concurrency(n),
+                    None => consumer,
+                };
+                let handled = consumer.run(|m| {
+                    let (store, world, acked) = (store.clone(), world.clone(), acked.clone());
+                    async move {
                         let id = order_id(&m.payload);
                         let result = handle(m, &store, &world, doomed).await;
                         orders::check_recorded_before_ack(&*store, "nats", id, &result, &acked)
                             .await;
                         result
-                    });
-                    settled.await.expect("consuming").expect("settling");
-                }
+                    }
+                });
+                handled.await.expect("settling");
             })
         };
         let hung = world.hung.notified();
@@ -111,7 +126,11 @@ fn two_consumers_one_killed_every_message_once() {
         let doomed = consumer(true);
         // Kill the doomed consumer mid-handler, with its connection, without acking
         // what it holds: the server redelivers after ack_wait. Then start it again.
+        // Other calls of the doomed consumer in flight at that moment finish first (a
+        // kill between an effect and its DONE record runs that effect again, at any
+        // concurrency).
         hung.await;
+        tokio::time::sleep(Duration::from_millis(300)).await;
         doomed.abort();
         let _ = doomed.await;
         let restarted = consumer(false);

@@ -1,8 +1,9 @@
 //! The NATS JetStream consumer's own guarantees, with plain handlers whose runs are
 //! counted: a handler longer than `ack_wait` is not redelivered meanwhile, a pulled
 //! batch does not outwait `ack_wait`, a message's last allowed delivery is
-//! dead-lettered instead of dropped, and a dead-letter subject no stream captures is
-//! an error at start-up.
+//! dead-lettered instead of dropped, a dead-letter subject no stream captures is an
+//! error at start-up, and `run` keeps at most `concurrency` calls in flight and
+//! settles two messages of one key in one pass.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -11,7 +12,7 @@ use std::time::Duration;
 use async_nats::jetstream::{self, consumer::AckPolicy, consumer::pull, stream};
 use idempotent::consume::nats::{NatsConsumer, NatsMessage};
 use idempotent::testing;
-use idempotent::{Disposition, Error, Outcome};
+use idempotent::{Disposition, DispositionExt as _, Error, MemoryStore, Outcome, idempotent};
 
 type Settled = Result<Outcome<()>, Error<std::io::Error>>;
 
@@ -215,5 +216,66 @@ async fn a_message_near_max_payload_is_dead_lettered() {
     assert_eq!(settled.unwrap(), Disposition::DeadLetter);
     let copy = setup.dead_letter().await.expect("the message was dead-lettered");
     assert_eq!(copy.payload.len(), body.len());
+    setup.delete().await;
+}
+
+#[idempotent(key = "{/id}", store = store, namespace = "nats-run")]
+async fn slow(
+    msg: NatsMessage,
+    store: &MemoryStore,
+    effects: &Runs,
+    in_flight: &Mutex<(u32, u32)>,
+) {
+    {
+        let mut n = in_flight.lock().unwrap();
+        n.0 += 1;
+        n.1 = n.1.max(n.0);
+    }
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    in_flight.lock().unwrap().0 -= 1;
+    *effects.lock().unwrap().entry(msg.payload.to_vec()).or_default() += 1;
+}
+
+/// `run` keeps `concurrency` calls in flight, no more; a message whose key another
+/// call of the same consumer holds is handled again once that call is done, and acks
+/// as a duplicate in the same pass instead of coming back after its retry delay.
+#[tokio::test]
+async fn run_is_bounded_and_settles_a_key_delivered_twice_in_one_pass() {
+    let config = pull::Config { ack_wait: Duration::from_secs(5), ..Default::default() };
+    let Some(setup) = Setup::new(config).await else { return };
+    setup.publish(20).await;
+    let subject = format!("{}.orders", setup.name);
+    setup.js.publish(subject, r#"{"id":3}"#.into()).await.unwrap().await.unwrap();
+    let consumer = setup.consumer().await.concurrency(4).retry_delay(Duration::from_secs(30));
+    let (store, effects, in_flight) = (MemoryStore::new(), Runs::default(), Mutex::new((0, 0)));
+    let settled = Mutex::new(Vec::new());
+    let all = async {
+        while settled.lock().unwrap().len() < 21 {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    };
+    let run = consumer.run(|m: NatsMessage| {
+        let (store, effects, in_flight, settled) = (&store, &effects, &in_flight, &settled);
+        async move {
+            let result = slow(m, store, effects, in_flight).await;
+            if !result.is_in_progress() {
+                settled.lock().unwrap().push(result.disposition());
+            }
+            result
+        }
+    });
+    tokio::select! {
+        () = all => {}
+        ended = run => panic!("run ended: {ended:?}"),
+        () = tokio::time::sleep(Duration::from_secs(10)) => {
+            panic!("settled only {} of 21 in one pass", settled.lock().unwrap().len())
+        }
+    }
+    assert!(settled.lock().unwrap().iter().all(|&d| d == Disposition::Ack));
+    assert_eq!(in_flight.lock().unwrap().1, 4, "calls in flight at most");
+    let effects = effects.lock().unwrap();
+    assert_eq!(effects.len(), 20);
+    assert!(effects.values().all(|&n| n == 1), "{effects:?}");
+    drop(effects);
     setup.delete().await;
 }

@@ -34,7 +34,7 @@ impl Answer {
 /// settled, or held by another consumer), and that second answer settles it. So a
 /// key delivered twice close together settles both deliveries in one pass instead of
 /// leaving one for a redelivery.
-pub(crate) async fn settle_concurrently<D, E, S, C, CF, T, TF>(
+pub(crate) async fn settle_concurrently<D, E, S, C, CF, T, TF, X>(
     deliveries: S,
     concurrency: usize,
     mut call: C,
@@ -45,7 +45,7 @@ where
     C: FnMut(&D) -> CF,
     CF: Future<Output = Answer>,
     T: FnMut(D, Disposition) -> TF,
-    TF: Future<Output = Result<(), E>>,
+    TF: Future<Output = Result<X, E>>,
 {
     let concurrency = concurrency.max(1);
     let mut deliveries = std::pin::pin!(deliveries.fuse());
@@ -90,7 +90,7 @@ where
                         waiting.push((calls.started, delivery));
                     } else {
                         let settled = settle(delivery, answer.disposition);
-                        work.push(Either::Right(async move { Step::Settled(settled.await) }));
+                        work.push(Either::Right(async move { Step::Settled(settled.await.map(drop)) }));
                     }
                 }
                 Step::Settled(result) => result?,

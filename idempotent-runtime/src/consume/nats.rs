@@ -1,16 +1,20 @@
 //! NATS JetStream pull consumers, through `async-nats`.
 
 use std::future::Future;
+use std::sync::Arc;
 use std::time::Duration;
 
 use async_nats::HeaderMap;
 use async_nats::jetstream::consumer::AckPolicy;
 use async_nats::jetstream::consumer::pull::Stream as Messages;
 use async_nats::jetstream::context::PublishErrorKind;
+use async_nats::jetstream::message::Acker;
 use async_nats::jetstream::{self, AckKind};
 use bytes::Bytes;
 use futures_util::StreamExt as _;
 
+use super::DEFAULT_CONCURRENCY;
+use super::concurrent::{Answer, settle_concurrently};
 use crate::{Disposition, DispositionExt, Payload, PayloadRef};
 
 /// What can go wrong while consuming: the stream of messages, an acknowledgement, or
@@ -35,7 +39,9 @@ impl Payload for NatsMessage {
     }
 }
 
-/// A JetStream pull consumer that settles each message by its handler's disposition:
+/// A JetStream pull consumer that settles each message by its handler's disposition,
+/// up to [`concurrency`](NatsConsumer::concurrency) at once (default 32) through
+/// [`run`](NatsConsumer::run), one at a time through [`next`](NatsConsumer::next):
 /// Ack → `+ACK`; Retry → `-NAK` with a delay (default 1 s), so the server redelivers
 /// it after the delay; DeadLetter → publish the body (with its headers, and
 /// `Idempotent-Source-Subject` / `Idempotent-Source-Sequence`) to the dead-letter
@@ -46,8 +52,11 @@ impl Payload for NatsMessage {
 ///   progress) every third of the consumer's `ack_wait`, so a handler may take longer
 ///   than `ack_wait` without the server handing the message out again.
 /// * The consumer pulls [`batch`](NatsConsumer::batch) messages at a time (default
-///   10). Messages waiting in a pulled batch are not yet being handled, so their
-///   `ack_wait` runs: keep `batch` × the handler's time well under `ack_wait`.
+///   10; `run` pulls at least `concurrency`). Messages waiting in a pulled batch are
+///   not yet being handled, so their `ack_wait` runs: keep the time a batch waits
+///   (`batch` × the handler's time ÷ `concurrency`) well under `ack_wait`.
+/// * Each message is acked on its own: JetStream has no multiple ack under
+///   `AckPolicy::Explicit`, and an ack is a publish that waits for no reply.
 /// * With `max_deliver` set on the JetStream consumer, a message whose last allowed
 ///   delivery ends in Retry is dead-lettered (copied, then `+TERM`) instead of being
 ///   dropped by the server at the next redelivery. Every delivery counts, also those
@@ -79,10 +88,8 @@ impl Payload for NatsMessage {
 /// let durable = pull::Config { durable_name: Some("billing".into()), ..Default::default() };
 /// let pull = stream.get_or_create_consumer("billing", durable).await?;
 /// // A stream must capture "orders.dead".
-/// let mut consumer = NatsConsumer::new(&pull, js, "orders.dead").await?;
-/// while let Some(settled) = consumer.next(handle).await {
-///     settled?;
-/// }
+/// let consumer = NatsConsumer::new(&pull, js, "orders.dead").await?.concurrency(32);
+/// consumer.run(handle).await?;
 /// # Ok(()) }
 /// ```
 pub struct NatsConsumer {
@@ -94,6 +101,7 @@ pub struct NatsConsumer {
     batch: usize,
     ack_wait: Duration,
     max_deliver: Option<i64>,
+    concurrency: usize,
 }
 
 impl NatsConsumer {
@@ -140,6 +148,7 @@ impl NatsConsumer {
             batch: 10,
             ack_wait: config.ack_wait,
             max_deliver,
+            concurrency: DEFAULT_CONCURRENCY,
         })
     }
 
@@ -157,8 +166,52 @@ impl NatsConsumer {
         self
     }
 
+    /// How many messages [`run`](NatsConsumer::run) handles at once; default
+    /// [`DEFAULT_CONCURRENCY`] (32). `run` pulls at least this many at a time. The
+    /// JetStream consumer's `max_ack_pending` should be at least this, or the server
+    /// hands out fewer.
+    pub fn concurrency(mut self, in_flight: usize) -> Self {
+        self.concurrency = in_flight.max(1);
+        self
+    }
+
+    /// Handles messages until the subscription ends (then `Ok`), or pulling or a
+    /// settle fails (then that error): up to [`concurrency`](NatsConsumer::concurrency)
+    /// handler calls at once, each message settled by its own result as soon as its
+    /// call returns, as [`next`](NatsConsumer::next) settles one. A message whose call
+    /// answered `InProgress` while other calls ran is handled once more after them (it
+    /// may have met a message of the same key here). Messages in hand when the future
+    /// is dropped or returns an error are redelivered after `ack_wait`.
+    pub async fn run<F, Fut, R>(&self, mut handler: F) -> Result<(), NatsError>
+    where
+        F: FnMut(NatsMessage) -> Fut,
+        Fut: Future<Output = R>,
+        R: DispositionExt,
+    {
+        let batch = self.batch.max(self.concurrency);
+        let messages = self.consumer.stream().max_messages_per_batch(batch).messages().await?;
+        let deliveries = messages
+            .map(|message| message.map(|message| self.held(message)).map_err(NatsError::from));
+        let call = |held: &Held| {
+            let (call, acker) = (handler(held.message.clone()), held.acker.clone());
+            let progress = self.progress(acker);
+            async move {
+                tokio::select! {
+                    biased;
+                    result = call => Answer::of(&result),
+                    never = progress => match never {},
+                }
+            }
+        };
+        settle_concurrently(deliveries, self.concurrency, call, |held, disposition| {
+            self.settle(held, disposition)
+        })
+        .await
+    }
+
     /// Waits for the next message, runs `handler` on it and settles it. `None` when
-    /// the subscription ended.
+    /// the subscription ended. One message at a time; see [`run`](NatsConsumer::run)
+    /// for many.
     pub async fn next<F, Fut, R>(&mut self, handler: F) -> Option<Result<Disposition, NatsError>>
     where
         F: FnOnce(NatsMessage) -> Fut,
@@ -172,58 +225,83 @@ impl NatsConsumer {
                 Err(e) => return Some(Err(e.into())),
             }
         }
-        let message = match self.messages.as_mut()?.next().await? {
-            Ok(message) => message,
+        let held = match self.messages.as_mut()?.next().await? {
+            Ok(message) => self.held(message),
             Err(e) => return Some(Err(e.into())),
         };
+        let progress = self.progress(held.acker.clone());
+        let disposition = tokio::select! {
+            biased;
+            result = handler(held.message.clone()) => result.disposition(),
+            never = progress => match never {},
+        };
+        Some(self.settle(held, disposition).await)
+    }
+
+    fn held(&self, message: jetstream::Message) -> Held {
         // The reply subject carries the delivery count and the stream sequence.
         let info = message.info().ok().map(|info| (info.delivered, info.stream_sequence));
         let last_delivery = match (self.max_deliver, info) {
             (Some(max), Some((delivered, _))) => delivered >= max,
             _ => false,
         };
-        let source = info.map(|(_, sequence)| sequence);
         let (message, acker) = message.split();
-        let message = NatsMessage {
-            subject: message.subject.to_string(),
-            payload: message.payload,
-            headers: message.headers,
-        };
-        let copy = message.clone();
-        let handled = handler(message);
-        let progress = async {
-            let period = (self.ack_wait / 3).max(Duration::from_millis(10));
+        Held {
+            message: NatsMessage {
+                subject: message.subject.to_string(),
+                payload: message.payload,
+                headers: message.headers,
+            },
+            acker: Arc::new(acker),
+            last_delivery,
+            source: info.map(|(_, sequence)| sequence),
+        }
+    }
+
+    /// Signals work in progress every third of `ack_wait`, for ever: raced against a
+    /// handler call, it keeps the server from redelivering the message meanwhile.
+    fn progress(&self, acker: Arc<Acker>) -> impl Future<Output = std::convert::Infallible> {
+        let period = (self.ack_wait / 3).max(Duration::from_millis(10));
+        async move {
             loop {
                 tokio::time::sleep(period).await;
                 if let Err(error) = acker.ack_with(AckKind::Progress).await {
                     tracing::warn!(%error, "signalling work in progress failed");
                 }
             }
-        };
-        let disposition = tokio::select! {
-            biased;
-            result = handled => result.disposition(),
-            never = progress => never,
-        };
+        }
+    }
+
+    /// Settles a message by its disposition, and answers the disposition it was
+    /// settled with.
+    async fn settle(&self, held: Held, disposition: Disposition) -> Result<Disposition, NatsError> {
         // The server would drop a message left for retry at its last delivery.
         let disposition = match disposition {
-            Disposition::Retry if last_delivery => Disposition::DeadLetter,
+            Disposition::Retry if held.last_delivery => Disposition::DeadLetter,
             other => other,
         };
-        let settled: Result<(), NatsError> = async {
-            match disposition {
-                Disposition::Ack => acker.ack().await?,
-                Disposition::Retry => acker.ack_with(AckKind::Nak(Some(self.retry_delay))).await?,
-                Disposition::DeadLetter => {
-                    self.publish_dead_letter(copy, source).await?;
-                    acker.ack_with(AckKind::Term).await?
-                }
+        let acker = &held.acker;
+        match disposition {
+            Disposition::Ack => acker.ack().await?,
+            Disposition::Retry => acker.ack_with(AckKind::Nak(Some(self.retry_delay))).await?,
+            Disposition::DeadLetter => {
+                self.publish_dead_letter(held.message, held.source).await?;
+                acker.ack_with(AckKind::Term).await?
             }
-            Ok(())
         }
-        .await;
-        Some(settled.map(|()| disposition))
+        Ok(disposition)
     }
+}
+
+/// A message in hand: the message (handed to the handler as a copy, and kept for a
+/// dead-letter copy), its acker, and what its reply subject said.
+struct Held {
+    message: NatsMessage,
+    acker: Arc<Acker>,
+    /// Its delivery is the last the JetStream consumer's `max_deliver` allows.
+    last_delivery: bool,
+    /// Its stream sequence.
+    source: Option<u64>,
 }
 
 impl NatsConsumer {
