@@ -15,6 +15,8 @@ use rdkafka::types::RDKafkaErrorCode;
 use rdkafka::{ClientContext, Offset, Timestamp, TopicPartitionList};
 use tokio::time::Instant;
 
+use super::DEFAULT_CONCURRENCY;
+use super::concurrent::{Answer, settle_concurrently};
 use crate::{Disposition, DispositionExt, Payload, PayloadRef};
 
 /// One record from a partition.
@@ -47,17 +49,24 @@ impl Payload for KafkaMessage {
 ///
 /// The consumer must be created with `enable.auto.commit=false` and with a
 /// [`KafkaContext`] (`create_with_context(KafkaContext::default())`), which tells it
-/// about rebalances. [`next`](KafkaConsumer::next) settles each record by its
-/// handler's disposition:
+/// about rebalances. [`run`](KafkaConsumer::run) handles up to
+/// [`concurrency`](KafkaConsumer::concurrency) records at once (default 32), across
+/// partitions and within each; [`next`](KafkaConsumer::next) handles one. Each record
+/// is settled by its handler's disposition:
 ///
-/// * Ack → commit the record's offset + 1 (asynchronously: a commit lost in a crash
-///   only means a redelivery, which the store turns into a duplicate);
+/// * Ack → the partition's commit moves past the record once every record before it
+///   is settled too: the committed offset never passes a record still being handled
+///   or left for retry. `run` sends the offsets reached every
+///   [`commit_interval`](KafkaConsumer::commit_interval) (100 ms), all partitions in
+///   one commit; `next` after each record. Commits are asynchronous: a commit lost
+///   in a crash only means a redelivery, which the store turns into a duplicate;
 /// * Retry → seek the partition back to the record and pause it for the retry delay;
 ///   the other partitions go on meanwhile, and the consumer keeps polling, so the
 ///   group does not take the partition away. Records of that partition already
 ///   fetched behind the record are skipped, neither handled nor committed, until it
 ///   comes round again: the committed offset never passes a record that has not been
-///   processed, and the partition stays in order;
+///   processed. Under `run`, the partition's records already in flight finish, and
+///   are read again (as duplicates) when the record comes round;
 /// * DeadLetter → produce the record (key, value, headers, plus
 ///   `idempotent-source-topic`, `-partition` and `-offset`) to the dead-letter topic,
 ///   wait for the broker to confirm (at most [`dead_letter_timeout`](
@@ -67,8 +76,14 @@ impl Payload for KafkaMessage {
 /// A partition revoked or assigned in a rebalance forgets its pending retry, and a
 /// record received before its partition was revoked is not committed: another member
 /// owns the partition now and may have committed further. If the future returned by
-/// `next` is dropped mid-record (a `select!`, a timeout), the record's partition is
-/// rewound to it, so a later commit cannot pass it.
+/// `next` or `run` is dropped mid-record (a `select!`, a timeout), the record's
+/// partition is rewound to it, so a later commit cannot pass it.
+///
+/// Handler calls of one partition run in offset order only at concurrency 1: above
+/// it, records of a partition are handled side by side and may finish in any order
+/// (the commit still follows offsets). A handler that must see a partition's records
+/// in order (a per-entity state machine that is not its own guard) wants
+/// `concurrency(1)`, or one consumer task per partition.
 ///
 /// A member that dies without committing leaves its records to the member that gets
 /// its partitions, from the last committed offset.
@@ -94,10 +109,8 @@ impl Payload for KafkaMessage {
 /// consumer.subscribe(&["orders"])?;
 /// let producer: FutureProducer =
 ///     ClientConfig::new().set("bootstrap.servers", "127.0.0.1:9092").create()?;
-/// let mut consumer = KafkaConsumer::new(consumer, producer, "orders.dead");
-/// loop {
-///     consumer.next(handle).await?;
-/// }
+/// let consumer = KafkaConsumer::new(consumer, producer, "orders.dead").concurrency(32);
+/// consumer.run(handle).await
 /// # }
 /// ```
 pub struct KafkaConsumer {
@@ -106,6 +119,8 @@ pub struct KafkaConsumer {
     dead_letter_topic: String,
     retry_delay: Duration,
     dead_letter_timeout: Duration,
+    concurrency: usize,
+    commit_interval: Duration,
 }
 
 /// The consumer context a [`KafkaConsumer`] needs: it learns of rebalances, so that a
@@ -123,6 +138,103 @@ struct Partitions {
     rewound: HashMap<(String, i32), Rewind>,
     /// Bumped at each assignment or revocation of the partition.
     epochs: HashMap<(String, i32), u64>,
+    /// What is in hand and settled, for the offset to commit.
+    tracks: HashMap<(String, i32), Track>,
+    /// When the settled offsets were last committed.
+    flushed: Option<Instant>,
+}
+
+/// A partition's records in hand and settled since it was assigned.
+#[derive(Default)]
+struct Track {
+    /// Offsets received and not settled yet: the commit stays below the lowest.
+    in_hand: std::collections::BTreeSet<i64>,
+    /// Past the highest record settled (acked or dead-lettered) since the last
+    /// rewind; records received before that rewind do not move it, since the
+    /// partition reads them again.
+    settled: Option<i64>,
+    /// Bumped at each rewind.
+    rewinds: u64,
+    /// The offset last committed, or to commit at the next flush.
+    committed: Option<i64>,
+    /// `committed` is not sent yet.
+    dirty: bool,
+}
+
+impl Partitions {
+    /// A record is in hand; answers the partition's rewinds so far.
+    fn received(&mut self, partition: (String, i32), offset: i64) -> u64 {
+        let track = self.tracks.entry(partition).or_default();
+        track.in_hand.insert(offset);
+        track.rewinds
+    }
+
+    /// A record was acked or dead-lettered: the partition's commit may move on.
+    /// `false` if the partition was reassigned since the record was received (its
+    /// new owner commits).
+    fn settled(
+        &mut self,
+        topic: &str,
+        partition: i32,
+        offset: i64,
+        epoch: u64,
+        rewinds: u64,
+    ) -> bool {
+        let key = (topic.to_owned(), partition);
+        if self.epochs.get(&key).copied().unwrap_or(0) != epoch {
+            return false;
+        }
+        let rewind = self.rewound.get(&key).map(|r| r.offset);
+        let track = self.tracks.entry(key).or_default();
+        track.in_hand.remove(&offset);
+        if rewinds == track.rewinds {
+            track.settled = Some(track.settled.map_or(offset + 1, |s| s.max(offset + 1)));
+        }
+        if let Some(offset) = track.committable(rewind) {
+            if track.committed.is_none_or(|committed| offset > committed) {
+                track.committed = Some(offset);
+                track.dirty = true;
+            }
+        }
+        true
+    }
+
+    /// The record at `offset` is to be read again from `due` on; answers the offset
+    /// to seek the partition to (a rewind already pending to an earlier offset is
+    /// kept), or `None` for a record of an earlier assignment: the partition is no
+    /// longer its to rewind.
+    fn rewind(
+        &mut self,
+        topic: &str,
+        partition: i32,
+        offset: i64,
+        epoch: u64,
+        due: Instant,
+    ) -> Option<i64> {
+        let key = (topic.to_owned(), partition);
+        if self.epochs.get(&key).copied().unwrap_or(0) != epoch {
+            return None;
+        }
+        let track = self.tracks.entry(key.clone()).or_default();
+        track.in_hand.remove(&offset);
+        track.rewinds += 1;
+        track.settled = track.settled.map(|settled| settled.min(offset));
+        let rewind = self.rewound.entry(key).or_insert(Rewind { offset, due });
+        if offset <= rewind.offset {
+            *rewind = Rewind { offset, due };
+        }
+        Some(rewind.offset)
+    }
+}
+
+impl Track {
+    /// The offset every record below which is settled: past the highest settled
+    /// record, but not past a record still in hand nor a rewind.
+    fn committable(&self, rewind: Option<i64>) -> Option<i64> {
+        let limit = [self.in_hand.first().copied(), rewind].into_iter().flatten().min();
+        let settled = self.settled?;
+        Some(limit.map_or(settled, |limit| settled.min(limit)))
+    }
 }
 
 #[derive(Clone, Copy)]
@@ -143,6 +255,7 @@ impl KafkaContext {
         for element in list.elements() {
             let partition = (element.topic().to_owned(), element.partition());
             state.rewound.remove(&partition);
+            state.tracks.remove(&partition);
             *state.epochs.entry(partition).or_default() += 1;
         }
     }
@@ -182,7 +295,25 @@ impl KafkaConsumer {
             dead_letter_topic: dead_letter_topic.into(),
             retry_delay: Duration::from_millis(500),
             dead_letter_timeout: Duration::from_secs(30),
+            concurrency: DEFAULT_CONCURRENCY,
+            commit_interval: Duration::from_millis(100),
         }
+    }
+
+    /// How many records [`run`](KafkaConsumer::run) handles at once, across the
+    /// assigned partitions and within each; default [`DEFAULT_CONCURRENCY`] (32).
+    pub fn concurrency(mut self, in_flight: usize) -> Self {
+        self.concurrency = in_flight.max(1);
+        self
+    }
+
+    /// How often [`run`](KafkaConsumer::run) commits the offsets its settled records
+    /// reached, in one commit for all partitions; default 100 ms. A crash loses at
+    /// most this much of commits, which means redeliveries the store answers as
+    /// duplicates. [`next`](KafkaConsumer::next) commits after each record.
+    pub fn commit_interval(mut self, interval: Duration) -> Self {
+        self.commit_interval = interval;
+        self
     }
 
     /// How long a partition with a record left for retry pauses; default 500 ms.
@@ -204,78 +335,182 @@ impl KafkaConsumer {
         &self.consumer
     }
 
-    /// Receives the next record and settles it with `handler`'s disposition. `None`
-    /// when the record was skipped because its partition is being rewound for a retry.
-    /// Partitions whose retry delay is over are resumed first.
+    /// Handles records until receiving, a settle or a commit fails, with that error:
+    /// up to [`concurrency`](KafkaConsumer::concurrency) handler calls at once, across
+    /// partitions and within one, each record settled by its own result as soon as
+    /// its call returns, as [`next`](KafkaConsumer::next) settles one. A partition's
+    /// committed offset never passes a record that is not settled: the commit is the
+    /// lowest offset below which every record is acked or dead-lettered, sent every
+    /// [`commit_interval`](KafkaConsumer::commit_interval) for all partitions at
+    /// once. A record left for retry rewinds its partition as `next` does; its
+    /// records already in flight finish, and are read again (duplicates) once the
+    /// record comes round. A record whose call answered `InProgress` while other
+    /// calls ran is handled once more after them (it may have met a record of the
+    /// same key here). Records in hand when the future is dropped or fails rewind
+    /// their partitions to the lowest of them; settled offsets not yet committed are
+    /// committed then.
+    pub async fn run<F, Fut, R>(&self, mut handler: F) -> Result<(), KafkaError>
+    where
+        F: FnMut(KafkaMessage) -> Fut,
+        Fut: Future<Output = R>,
+        R: DispositionExt,
+    {
+        let _flush_at_exit = FlushOnDrop(self);
+        let deliveries = futures_util::stream::unfold((), |()| async {
+            loop {
+                tokio::select! {
+                    received = self.receive() => match received {
+                        Ok(Some(held)) => return Some((Ok(held), ())),
+                        Ok(None) => {}
+                        Err(error) => return Some((Err(error), ())),
+                    },
+                    () = tokio::time::sleep(self.commit_interval) => {
+                        if let Err(error) = self.flush() {
+                            return Some((Err(error), ()));
+                        }
+                    }
+                }
+            }
+        });
+        let call = |held: &Held<'_>| {
+            let call = handler(held.message.clone());
+            async move { Answer::of(&call.await) }
+        };
+        settle_concurrently(deliveries, self.concurrency, call, |held, disposition| async move {
+            self.settle(held, disposition).await?;
+            if self.flush_due() { self.flush() } else { Ok(()) }
+        })
+        .await
+    }
+
+    /// Receives the next record and settles it with `handler`'s disposition,
+    /// committing at once. `None` when the record was skipped because its partition
+    /// is being rewound for a retry. Partitions whose retry delay is over are resumed
+    /// first. One record at a time; see [`run`](KafkaConsumer::run) for many.
     pub async fn next<F, Fut, R>(&mut self, handler: F) -> Result<Option<Disposition>, KafkaError>
     where
         F: FnOnce(KafkaMessage) -> Fut,
         Fut: Future<Output = R>,
         R: DispositionExt,
     {
-        let (message, epoch) = loop {
+        let Some(held) = self.receive().await? else { return Ok(None) };
+        let disposition = handler(held.message.clone()).await.disposition();
+        self.settle(held, disposition).await?;
+        self.flush()?;
+        Ok(Some(disposition))
+    }
+
+    /// Receives the next record, resuming the partitions whose retry delay is over
+    /// first; `None` for a record fetched behind a record left for retry (skipped:
+    /// neither handled nor committed).
+    async fn receive(&self) -> Result<Option<Held<'_>>, KafkaError> {
+        let record = loop {
             let wake = self.resume_due()?;
-            let record = match wake {
+            match wake {
                 Some(at) => tokio::select! {
-                    record = self.consumer.recv() => record?,
+                    record = self.consumer.recv() => break record?,
                     () = tokio::time::sleep_until(at) => continue,
                 },
-                None => self.consumer.recv().await?,
-            };
-            let message = KafkaMessage {
-                topic: record.topic().to_owned(),
-                partition: record.partition(),
-                offset: record.offset(),
-                key: record.key().map(<[u8]>::to_vec),
-                payload: record.payload().map(<[u8]>::to_vec).unwrap_or_default(),
-                timestamp: match record.timestamp() {
-                    Timestamp::NotAvailable => None,
-                    Timestamp::CreateTime(t) | Timestamp::LogAppendTime(t) => Some(t),
-                },
-                headers: headers(&record),
-            };
-            let partition = (message.topic.clone(), message.partition);
-            let mut state = self.consumer.context().state();
-            let epoch = state.epochs.get(&partition).copied().unwrap_or(0);
-            match state.rewound.get(&partition).copied() {
-                Some(rewind) if message.offset > rewind.offset => {
-                    // Fetched behind a record left for retry: not handled, not
-                    // committed. Seek again, in case the first seek was lost.
-                    drop(state);
-                    self.seek(&message.topic, message.partition, rewind.offset)?;
-                    return Ok(None);
-                }
-                // The record itself, or an earlier one: handle it normally.
-                Some(_) => {
-                    state.rewound.remove(&partition);
-                }
-                None => {}
+                None => break self.consumer.recv().await?,
             }
-            break (message, epoch);
         };
-        let (topic, index, offset) = (message.topic.clone(), message.partition, message.offset);
-        let copy = message.clone();
-        // From here until the record is settled, a dropped future, and any early return
-        // below, rewinds the partition to it.
-        let in_flight = InFlight { consumer: self, topic: &topic, partition: index, offset };
-        let disposition = handler(message).await.disposition();
+        let message = KafkaMessage {
+            topic: record.topic().to_owned(),
+            partition: record.partition(),
+            offset: record.offset(),
+            key: record.key().map(<[u8]>::to_vec),
+            payload: record.payload().map(<[u8]>::to_vec).unwrap_or_default(),
+            timestamp: match record.timestamp() {
+                Timestamp::NotAvailable => None,
+                Timestamp::CreateTime(t) | Timestamp::LogAppendTime(t) => Some(t),
+            },
+            headers: headers(&record),
+        };
+        drop(record);
+        let partition = (message.topic.clone(), message.partition);
+        let mut state = self.consumer.context().state();
+        let epoch = state.epochs.get(&partition).copied().unwrap_or(0);
+        match state.rewound.get(&partition).copied() {
+            Some(rewind) if message.offset > rewind.offset => {
+                // Fetched behind a record left for retry: not handled, not
+                // committed. Seek again, in case the first seek was lost.
+                drop(state);
+                self.seek(&message.topic, message.partition, rewind.offset)?;
+                return Ok(None);
+            }
+            // The record itself, or an earlier one: handle it normally.
+            Some(_) => {
+                state.rewound.remove(&partition);
+            }
+            None => {}
+        }
+        let rewinds = state.received(partition, message.offset);
+        drop(state);
+        Ok(Some(Held { consumer: self, message, epoch, rewinds, settled: false }))
+    }
+
+    /// Settles a received record by its disposition (a commit, if any, is left to the
+    /// next flush). On an error the record is unsettled, and dropping it rewinds its
+    /// partition to it.
+    async fn settle(&self, mut held: Held<'_>, disposition: Disposition) -> Result<(), KafkaError> {
+        let (topic, partition, offset) =
+            (held.message.topic.as_str(), held.message.partition, held.message.offset);
         match disposition {
-            Disposition::Ack => self.commit(&topic, index, offset, epoch)?,
+            Disposition::Ack => self.settled(&held),
             Disposition::Retry => {
-                self.rewind(&topic, index, offset, Instant::now() + self.retry_delay)?;
+                let due = Instant::now() + self.retry_delay;
+                self.rewind(topic, partition, offset, held.epoch, due)?;
                 let mut paused = TopicPartitionList::new();
-                paused.add_partition(&topic, index);
+                paused.add_partition(topic, partition);
                 self.consumer.pause(&paused)?;
             }
             Disposition::DeadLetter => {
-                // Not dead-lettered, so not committed: the guard rewinds to read it again.
-                self.dead_letter(&copy).await?;
-                self.commit(&topic, index, offset, epoch)?;
+                // Not dead-lettered, so not settled: the held record rewinds.
+                self.dead_letter(&held.message).await?;
+                self.settled(&held);
             }
         }
-        // Settled: nothing to rewind.
-        std::mem::forget(in_flight);
-        Ok(Some(disposition))
+        held.settled = true;
+        Ok(())
+    }
+
+    /// Marks the record acked or dead-lettered, moving its partition's commit on.
+    fn settled(&self, held: &Held<'_>) {
+        let m = &held.message;
+        let mut state = self.consumer.context().state();
+        if !state.settled(&m.topic, m.partition, m.offset, held.epoch, held.rewinds) {
+            tracing::warn!(
+                topic = %m.topic,
+                partition = m.partition,
+                offset = m.offset,
+                "not committed: the partition was reassigned while the record was handled"
+            );
+        }
+    }
+
+    fn flush_due(&self) -> bool {
+        let state = self.consumer.context().state();
+        state.flushed.is_none_or(|at| at.elapsed() >= self.commit_interval)
+    }
+
+    /// Commits, in one asynchronous commit, the offsets the settled records of each
+    /// partition reached since the last flush.
+    fn flush(&self) -> Result<(), KafkaError> {
+        let mut offsets = TopicPartitionList::new();
+        {
+            let mut state = self.consumer.context().state();
+            state.flushed = Some(Instant::now());
+            for ((topic, partition), track) in &mut state.tracks {
+                if let (true, Some(offset)) = (track.dirty, track.committed) {
+                    offsets.add_partition_offset(topic, *partition, Offset::Offset(offset))?;
+                    track.dirty = false;
+                }
+            }
+        }
+        if offsets.count() == 0 {
+            return Ok(());
+        }
+        self.consumer.commit(&offsets, CommitMode::Async)
     }
 
     /// Resumes the partitions whose retry delay is over; returns when the next one is.
@@ -300,49 +535,27 @@ impl KafkaConsumer {
     }
 
     /// Makes `offset` the next record of the partition, from `due` on; until it comes
-    /// back, records behind it are skipped. Recorded before the seek, so a failed seek
-    /// still keeps later records from being committed past it.
+    /// back, records behind it are skipped, and the partition's commit stays below
+    /// it. A rewind already pending to an earlier offset is kept. Recorded before the
+    /// seek, so a failed seek still keeps later records from being committed past
+    /// it. Nothing happens for a record of an earlier assignment (`epoch`): the
+    /// partition is no longer this record's to rewind.
     fn rewind(
         &self,
         topic: &str,
         partition: i32,
         offset: i64,
+        epoch: u64,
         due: Instant,
     ) -> Result<(), KafkaError> {
-        let key = (topic.to_owned(), partition);
-        self.consumer.context().state().rewound.insert(key, Rewind { offset, due });
-        self.seek(topic, partition, offset)
+        let target = self.consumer.context().state().rewind(topic, partition, offset, epoch, due);
+        let Some(target) = target else { return Ok(()) };
+        self.seek(topic, partition, target)
     }
 
     fn seek(&self, topic: &str, partition: i32, offset: i64) -> Result<(), KafkaError> {
         // A zero timeout makes the seek asynchronous: no blocking in a task.
         self.consumer.seek(topic, partition, Offset::Offset(offset), Duration::ZERO)
-    }
-
-    /// Commits past the record, unless the partition changed hands since it was
-    /// received: the new owner may have committed further, and the record will be
-    /// seen again (a duplicate, for an idempotent handler).
-    fn commit(
-        &self,
-        topic: &str,
-        partition: i32,
-        offset: i64,
-        epoch: u64,
-    ) -> Result<(), KafkaError> {
-        let key = (topic.to_owned(), partition);
-        let now = self.consumer.context().state().epochs.get(&key).copied().unwrap_or(0);
-        if now != epoch {
-            tracing::warn!(
-                topic,
-                partition,
-                offset,
-                "not committed: the partition was reassigned while the record was handled"
-            );
-            return Ok(());
-        }
-        let mut offsets = TopicPartitionList::new();
-        offsets.add_partition_offset(topic, partition, Offset::Offset(offset + 1))?;
-        self.consumer.commit(&offsets, CommitMode::Async)
     }
 
     /// Produces the record to the dead-letter topic and waits for the broker, at most
@@ -426,20 +639,41 @@ fn headers(record: &rdkafka::message::BorrowedMessage<'_>) -> Vec<(String, Optio
     out
 }
 
-/// A record being handled: if the future is dropped before the record is settled,
-/// its partition is rewound to it (and its later records skipped until it is back).
-struct InFlight<'a> {
+/// A record received and not settled yet: dropped unsettled (a dropped future, a
+/// failed dead-letter send), it rewinds its partition to itself, and its partition's
+/// later records are skipped until it is back.
+struct Held<'a> {
     consumer: &'a KafkaConsumer,
-    topic: &'a str,
-    partition: i32,
-    offset: i64,
+    message: KafkaMessage,
+    /// The partition's assignment when the record was received.
+    epoch: u64,
+    /// The partition's rewinds when the record was received.
+    rewinds: u64,
+    settled: bool,
 }
 
-impl Drop for InFlight<'_> {
+impl Drop for Held<'_> {
     fn drop(&mut self) {
-        let rewound = self.consumer.rewind(self.topic, self.partition, self.offset, Instant::now());
+        if self.settled {
+            return;
+        }
+        let m = &self.message;
+        let rewound =
+            self.consumer.rewind(&m.topic, m.partition, m.offset, self.epoch, Instant::now());
         if let Err(error) = rewound {
             tracing::warn!(%error, "rewinding a dropped record's partition failed");
+        }
+    }
+}
+
+/// Commits what the settled records reached when [`KafkaConsumer::run`] ends or is
+/// dropped.
+struct FlushOnDrop<'a>(&'a KafkaConsumer);
+
+impl Drop for FlushOnDrop<'_> {
+    fn drop(&mut self) {
+        if let Err(error) = self.0.flush() {
+            tracing::warn!(%error, "committing settled offsets failed");
         }
     }
 }
@@ -465,5 +699,69 @@ mod tests {
         assert!(state.rewound.contains_key(&("orders".to_owned(), 1)));
         assert_eq!(state.epochs.get(&("orders".to_owned(), 0)), Some(&1));
         assert_eq!(state.epochs.get(&("orders".to_owned(), 1)), None);
+    }
+
+    /// The commit a sequence of receives, settles and rewinds leaves pending.
+    fn committed(state: &Partitions) -> Option<i64> {
+        state.tracks.get(&("t".to_owned(), 0)).and_then(|track| track.committed)
+    }
+
+    /// Records settled out of order: the commit is the lowest offset below which
+    /// every record is settled, never past one still in hand.
+    #[test]
+    fn the_commit_stays_below_the_lowest_record_in_hand() {
+        let mut state = Partitions::default();
+        let rewinds: Vec<u64> = (0..5).map(|o| state.received(("t".to_owned(), 0), o)).collect();
+        assert!(state.settled("t", 0, 3, 0, rewinds[3]));
+        assert_eq!(committed(&state), Some(0), "offset 0 is in hand");
+        state.settled("t", 0, 0, 0, rewinds[0]);
+        assert_eq!(committed(&state), Some(1));
+        state.settled("t", 0, 1, 0, rewinds[1]);
+        state.settled("t", 0, 2, 0, rewinds[2]);
+        assert_eq!(committed(&state), Some(4), "3 was settled before");
+        state.settled("t", 0, 4, 0, rewinds[4]);
+        assert_eq!(committed(&state), Some(5));
+    }
+
+    /// Offsets 10 and 12 are left for retry while 13 is acked: the partition reads
+    /// again from 10, and the commit must not pass 12 when 10 comes back and is
+    /// acked before 11 and 12 are read again, even though 13 was acked.
+    #[test]
+    fn a_rewind_holds_the_commit_until_the_partition_reads_past_it_again() {
+        let mut state = Partitions::default();
+        let now = Instant::now();
+        let first: Vec<u64> = (10..14).map(|o| state.received(("t".to_owned(), 0), o)).collect();
+        assert_eq!(state.rewind("t", 0, 12, 0, now), Some(12));
+        assert_eq!(state.rewind("t", 0, 10, 0, now), Some(10), "the earlier rewind wins");
+        assert_eq!(state.rewind("t", 0, 12, 0, now), Some(10), "and stays");
+        state.settled("t", 0, 13, 0, first[3]);
+        state.settled("t", 0, 11, 0, first[1]);
+        assert_eq!(committed(&state), None, "nothing below 10 was settled");
+        // The partition comes back at 10 (the receive drops the rewind).
+        state.rewound.remove(&("t".to_owned(), 0));
+        let again = state.received(("t".to_owned(), 0), 10);
+        state.settled("t", 0, 10, 0, again);
+        assert_eq!(committed(&state), Some(11), "12 is not read again yet");
+        for o in 11..14 {
+            let again = state.received(("t".to_owned(), 0), o);
+            state.settled("t", 0, o, 0, again);
+        }
+        assert_eq!(committed(&state), Some(14));
+    }
+
+    /// A record received before its partition was reassigned neither commits nor
+    /// rewinds.
+    #[test]
+    fn a_record_of_an_earlier_assignment_neither_commits_nor_rewinds() {
+        let mut state = Partitions::default();
+        let rewinds = state.received(("t".to_owned(), 0), 5);
+        let mut moved = TopicPartitionList::new();
+        moved.add_partition("t", 0);
+        let context = KafkaContext::default();
+        context.rebalanced(&moved);
+        state.epochs = context.state().epochs.clone();
+        assert!(!state.settled("t", 0, 5, 0, rewinds));
+        assert_eq!(state.rewind("t", 0, 5, 0, Instant::now()), None);
+        assert_eq!(committed(&state), None);
     }
 }
