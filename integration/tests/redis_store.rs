@@ -8,14 +8,26 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, Ordering};
 
 use idempotent::testing::{self, block_on};
-use idempotent::{Claim, Key, RedisStore, Store};
-use support::RedisCluster;
+use idempotent::{Claim, Fingerprint, Key, RedisStore, Store, Transition};
+use support::{RedisCluster, RedisServer};
 
 // Every row of the life cycle, on standalone Redis.
 idempotent::store_suite!(match support::shared_store().await {
     Some(store) => store,
     None => return,
 });
+
+/// The same suite with every claim through the claim script, as on a server before
+/// Redis 7.0 (which refuses `SET ... NX ... GET`): the script alone takes fresh keys
+/// and answers duplicates, as well as telling live claims from lapsed ones.
+mod claims_by_script {
+    use super::support;
+
+    idempotent::store_suite!(match support::shared_store().await {
+        Some(store) => store.with_claims_by_script(),
+        None => return,
+    });
+}
 
 /// The same suite, unchanged, through a Redis Cluster.
 #[test]
@@ -226,6 +238,148 @@ fn a_foreign_or_unreadable_record_is_refused_for_good() {
             let call =
                 idempotent::Error::<std::io::Error>::Store { error: err, handler_ran: false };
             assert_eq!(call.disposition(), idempotent::Disposition::DeadLetter);
+        }
+    });
+}
+
+/// A claim on a fresh key, and one that finds the key DONE, FAILED or of another
+/// payload, is one `SET ... NX PX ... GET` on the server: no script runs.
+#[test]
+fn fresh_and_duplicate_claims_run_no_script() {
+    if !support::have_redis_server() {
+        return;
+    }
+    let server = RedisServer::start();
+    block_on(async {
+        let store = RedisStore::connect(server.url()).await.unwrap();
+        let (lease, ttl) = (testing::LEASE, testing::TTL);
+        let (done, failed) = (testing::fresh_key("one-set"), testing::fresh_key("one-set"));
+        let (first, other) = (Fingerprint::of(&b"first"[..]), Fingerprint::of(&b"other"[..]));
+        let Claim::Won { token, attempt: 1 } =
+            store.claim(&done, lease, ttl, Some(&first)).await.unwrap()
+        else {
+            panic!("a fresh key is won")
+        };
+        assert_eq!(store.complete(&done, token, ttl, None).await.unwrap(), Transition::Applied);
+        let Claim::Won { token, .. } = store.claim(&failed, lease, ttl, None).await.unwrap() else {
+            panic!("a fresh key is won")
+        };
+        assert_eq!(store.fail(&failed, token, ttl).await.unwrap(), Transition::Applied);
+        assert!(server.cli(&["config", "resetstat"]).contains("OK"));
+
+        let fresh = testing::fresh_key("one-set");
+        let won = store.claim(&fresh, lease, ttl, None).await.unwrap();
+        assert!(matches!(won, Claim::Won { attempt: 1, .. }), "{won:?}");
+        assert_eq!(store.claim(&done, lease, ttl, Some(&first)).await.unwrap(), Claim::Done);
+        assert_eq!(store.claim(&done, lease, ttl, Some(&other)).await.unwrap(), Claim::Mismatch);
+        let answer = store.claim(&failed, lease, ttl, None).await.unwrap();
+        assert_eq!(answer, Claim::Failed { attempts: 1 });
+
+        let stats = server.cli(&["info", "commandstats"]);
+        assert!(stats.contains("cmdstat_set:calls=4,"), "{stats}");
+        assert!(!stats.contains("cmdstat_eval"), "no script ran: {stats}");
+    });
+}
+
+/// A record in progress under another token is left alone while its lease lasts and
+/// taken over, attempt counted, once it lapses; the lease is the server's to time (the
+/// record holds it against the key's own expiry).
+#[test]
+fn another_claims_lease_is_timed_by_the_server() {
+    block_on(async {
+        let Some(store) = support::shared_store().await else {
+            return;
+        };
+        let (lease, ttl) = (testing::LEASE, testing::TTL);
+        let key = testing::fresh_key("takeover");
+        let Claim::Won { token: stale, attempt: 1 } =
+            store.claim(&key, lease, ttl, None).await.unwrap()
+        else {
+            panic!("a fresh key is won")
+        };
+        assert_eq!(store.claim(&key, lease, ttl, None).await.unwrap(), Claim::InProgress);
+        tokio::time::sleep(lease + std::time::Duration::from_millis(100)).await;
+        let Claim::Won { token, attempt: 2 } = store.claim(&key, lease, ttl, None).await.unwrap()
+        else {
+            panic!("a lapsed lease is taken over")
+        };
+        // The takeover holds a full lease of its own, and keeps the record for the
+        // claim's retention.
+        assert_eq!(store.claim(&key, lease, ttl, None).await.unwrap(), Claim::InProgress);
+        let mut conn = store.connection_manager().unwrap().clone();
+        let pttl: i64 =
+            redis::cmd("PTTL").arg(store.redis_key(&key)).query_async(&mut conn).await.unwrap();
+        let retention = idempotent::claim_retention(lease, ttl).as_millis() as i64;
+        assert!(pttl > retention - 1_000 && pttl <= retention, "{pttl}");
+        assert_eq!(store.complete(&key, stale, ttl, None).await.unwrap(), Transition::LeaseLost);
+        assert_eq!(store.complete(&key, token, ttl, None).await.unwrap(), Transition::Applied);
+        assert_eq!(store.claim(&key, lease, ttl, None).await.unwrap(), Claim::Done);
+    });
+}
+
+/// Records written by the first version of the format (`<state> <attempts> <lease
+/// deadline ms> <token> <fingerprint> <result>`, the deadline on the server's clock)
+/// are read: DONE, cached results and FAILED answer as they did, a claim in progress
+/// holds until its deadline, and a lapsed or released one is taken over with its
+/// attempt count and fingerprint.
+#[test]
+fn records_of_the_first_format_are_read() {
+    block_on(async {
+        let Some(store) = support::shared_store().await else {
+            return;
+        };
+        let mut conn = store.connection_manager().unwrap().clone();
+        let (lease, ttl) = (testing::LEASE, testing::TTL);
+        let (seconds, micros): (u64, u64) =
+            redis::cmd("TIME").query_async(&mut conn).await.unwrap();
+        let now = seconds * 1_000 + micros / 1_000;
+        let token = "0123456789abcdef0123456789abcdef";
+        let (first, other) = (Fingerprint::of(&b"first"[..]), Fingerprint::of(&b"other"[..]));
+        let cases = [
+            (format!("D 2 0 {token} - "), Claim::Done),
+            (format!("D 1 0 {token} - cached result"), Claim::Cached(b"cached result".to_vec())),
+            (format!("F 3 0 {token} - "), Claim::Failed { attempts: 3 }),
+            (format!("P 1 {} {token} - ", now + 30_000), Claim::InProgress),
+            (format!("D 1 0 {token} {other} "), Claim::Mismatch),
+        ];
+        for (record, expected) in cases {
+            let key = testing::fresh_key("first-format");
+            let _: () = redis::cmd("SET")
+                .arg(store.redis_key(&key))
+                .arg(&record)
+                .arg("PX")
+                .arg(60_000)
+                .query_async(&mut conn)
+                .await
+                .unwrap();
+            let answer = store.claim(&key, lease, ttl, Some(&first)).await.unwrap();
+            assert_eq!(answer, expected, "{record}");
+        }
+        for (record, attempt) in
+            [(format!("P 1 {} {token} {first} ", now - 1), 2), (format!("R 4 0 - {first} "), 5)]
+        {
+            let key = testing::fresh_key("first-format");
+            let _: () = redis::cmd("SET")
+                .arg(store.redis_key(&key))
+                .arg(&record)
+                .arg("PX")
+                .arg(60_000)
+                .query_async(&mut conn)
+                .await
+                .unwrap();
+            let answer = store.claim(&key, lease, ttl, Some(&other)).await.unwrap();
+            assert_eq!(answer, Claim::Mismatch, "the fingerprint is kept: {record}");
+            let Claim::Won { token, attempt: won } =
+                store.claim(&key, lease, ttl, Some(&first)).await.unwrap()
+            else {
+                panic!("{record} is taken over")
+            };
+            assert_eq!(won, attempt, "{record}");
+            assert_eq!(store.claim(&key, lease, ttl, None).await.unwrap(), Claim::InProgress);
+            let applied = store.complete(&key, token, ttl, Some(b"v2")).await.unwrap();
+            assert_eq!(applied, Transition::Applied);
+            let answer = store.claim(&key, lease, ttl, None).await.unwrap();
+            assert_eq!(answer, Claim::Cached(b"v2".to_vec()));
         }
     });
 }
