@@ -112,7 +112,7 @@
 //! | store | feature | use it for |
 //! | --- | --- | --- |
 //! | [`MemoryStore`] | (none) | tests, the quickstart, a single consumer process whose duplicates all reach it |
-//! | `RedisStore` | `redis` (`redis-tls` for `rediss://`) | consumers on several machines; standalone Redis or Redis Cluster; one atomic script per transition |
+//! | `RedisStore` | `redis` (`redis-tls` for `rediss://`) | consumers on several machines; standalone Redis or Redis Cluster; a claim is one `SET NX GET` (plus a script when it finds another claim in progress), the other transitions one atomic script each |
 //! | `PostgresStore` | `postgres` | records beside the business data: with `transactional`, the handler's writes and DONE commit in one transaction (an exactly-once effect) |
 //! | your own | (none) | implement [`Store`] and run the behaviour suite (`store_suite!`, feature `testing`) |
 //!

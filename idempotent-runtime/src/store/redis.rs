@@ -1,4 +1,6 @@
-//! `RedisStore`: records in Redis or Redis Cluster, one atomic script per transition.
+//! `RedisStore`: records in Redis or Redis Cluster. A claim is one `SET NX GET` (and the
+//! claim script when it finds another claim in progress or released), the other
+//! transitions one atomic script each.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, LazyLock};
