@@ -230,7 +230,7 @@ where
 pub(crate) trait Completion<S: ?Sized> {
     /// Claims the key.
     async fn claim(
-        &self,
+        &mut self,
         store: &S,
         key: &Key,
         spec: &Spec,
@@ -248,7 +248,8 @@ pub(crate) trait Completion<S: ?Sized> {
         spec: &Spec,
         result: Option<&[u8]>,
     ) -> Completed;
-    /// Throws away what the body did, when it failed or panicked.
+    /// Throws away what the body did, when it failed or panicked, and gives back what
+    /// the claim or `begin` took (a connection); also called without a body run.
     async fn discard(self);
 }
 
@@ -268,7 +269,7 @@ struct StoreCompletion;
 
 impl<S: Store + ?Sized> Completion<S> for StoreCompletion {
     async fn claim(
-        &self,
+        &mut self,
         store: &S,
         key: &Key,
         spec: &Spec,
@@ -377,6 +378,9 @@ where
         // Every allowed attempt was started and none finished (each crashed, panicked
         // or was cancelled). Stop the loop here instead of running the handler again.
         let attempts = attempt - 1;
+        // What the completion holds (a pooled connection) goes back first: the FAILED
+        // record may need it.
+        completion.discard().await;
         if claim.fail("earlier attempts never finished").await.is_err() {
             return Err(Error::LeaseLost { attempt });
         }

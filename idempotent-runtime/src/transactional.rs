@@ -3,18 +3,20 @@
 //!
 //! The claim is taken as usual, in its own statement, so concurrent duplicates wait
 //! or go away instead of running the handler twice. The handler then gets a
-//! transaction on the store's pool; when it returns `Ok`, the DONE update (fenced by
-//! the claim's token) runs in that transaction and the transaction commits. A
-//! process that dies before the commit leaves neither the business rows nor DONE, and
-//! the redelivery runs the handler again. An `Err` or a panic rolls back; the key is
-//! then released or, on a terminal error, recorded FAILED in its own statement.
+//! transaction on the connection the claim was won on; when it returns `Ok`, the DONE
+//! update (fenced by the claim's token) runs in that transaction and the transaction
+//! commits. A process that dies before the commit leaves neither the business rows
+//! nor DONE, and the redelivery runs the handler again. An `Err` or a panic rolls
+//! back; the key is then released or, on a terminal error, recorded FAILED in its own
+//! statement.
 
 use std::fmt::Display;
 use std::future::Future;
 use std::ops::{Deref, DerefMut};
 use std::sync::{Arc, Mutex, PoisonError};
 
-use sqlx::{Postgres, Transaction};
+use sqlx::pool::PoolConnection;
+use sqlx::{Postgres, SqlSafeStr, Transaction};
 
 use crate::alert::TerminalEvent;
 use crate::execute::{Call, Completed, Completion, ResultCache, Spec, run_with};
@@ -55,7 +57,7 @@ where
     HF: Future<Output = ()>,
     F: Future<Output = Result<T, E>>,
 {
-    run_with(call, store, InTransaction { slot }, classify, on_terminal, body).await
+    run_with(call, store, InTransaction { slot, conn: None }, classify, on_terminal, body).await
 }
 
 /// A store that can commit a handler's DONE record in the handler's own transaction:
@@ -152,37 +154,57 @@ impl Drop for LentTx<'_> {
     }
 }
 
-/// Begins the transaction, records DONE in it and commits; rolls back otherwise.
+/// Claims on a pooled connection, begins the transaction on the same connection,
+/// records DONE in it and commits; rolls back otherwise.
 struct InTransaction<'a> {
     slot: &'a TxSlot,
+    /// The connection the claim was won on, until `begin` starts the transaction on
+    /// it: one pool checkout per message instead of two (each costs a round trip to
+    /// test the connection, and another when it goes back).
+    conn: Option<PoolConnection<Postgres>>,
 }
 
 impl Completion<PostgresStore> for InTransaction<'_> {
     /// The claim's commit need not wait for its WAL flush here: a claim lost in a
     /// server crash only makes the DONE update find nothing, which rolls the handler's
     /// writes back, and the DONE commit flushes the claim anyway.
+    ///
+    /// The connection is taken from the pool before the claim, so a full pool delays
+    /// the claim rather than eating into its lease, and is kept for the transaction
+    /// when the claim is won.
     async fn claim(
-        &self,
+        &mut self,
         store: &PostgresStore,
         key: &Key,
         spec: &Spec,
         fingerprint: Option<&Fingerprint>,
     ) -> Result<Claim, StoreError> {
-        store.claim_with(key, spec.lease(), spec.ttl(), fingerprint, ClaimCommit::Deferred).await
+        let mut conn = store.pool().acquire().await.map_err(StoreError::unavailable)?;
+        let (lease, ttl) = (spec.lease(), spec.ttl());
+        let claim =
+            store.claim_on(&mut conn, key, lease, ttl, fingerprint, ClaimCommit::Deferred).await?;
+        if matches!(claim, Claim::Won { .. }) {
+            self.conn = Some(conn);
+        }
+        Ok(claim)
     }
 
     /// Begins at READ COMMITTED whatever the database's default: lease renewals update
     /// the record row from other connections while the handler runs, and a snapshot
-    /// isolation level would refuse the DONE update for it (SQLSTATE 40001). Waits
-    /// for a pooled connection at most a third of the lease, the renewal period.
-    async fn begin(&mut self, store: &PostgresStore, spec: &Spec) -> Result<(), StoreError> {
-        let begin = store.pool().begin_with("BEGIN ISOLATION LEVEL READ COMMITTED");
+    /// isolation level would refuse the DONE update for it (SQLSTATE 40001). Gives up
+    /// after a third of the lease, the renewal period, which is not running yet.
+    async fn begin(&mut self, _: &PostgresStore, spec: &Spec) -> Result<(), StoreError> {
+        let Some(conn) = self.conn.take() else {
+            return Err(StoreError::Protocol("the claim's connection went missing".to_owned()));
+        };
+        let statement = "BEGIN ISOLATION LEVEL READ COMMITTED".into_sql_str();
+        // A dropped or failed begin drops the connection, which the pool rolls back.
+        let begin = Transaction::begin(conn, Some(statement));
         let tx = match tokio::time::timeout(spec.lease() / 3, begin).await {
             Ok(tx) => tx.map_err(StoreError::unavailable)?,
             Err(_) => {
                 return Err(StoreError::unavailable(format!(
-                    "no pooled connection for the handler's transaction within {:?} (a third \
-                     of the lease): the pool is smaller than the handlers in flight",
+                    "the handler's transaction did not begin within {:?} (a third of the lease)",
                     spec.lease() / 3
                 )));
             }
@@ -225,6 +247,7 @@ impl Completion<PostgresStore> for InTransaction<'_> {
     }
 
     async fn discard(self) {
+        drop(self.conn);
         if let Some(tx) = self.slot.take() {
             rollback(tx).await;
         }

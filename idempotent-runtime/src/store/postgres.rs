@@ -201,6 +201,21 @@ CREATE INDEX IF NOT EXISTS {index}_expires_at ON {t} (expires_at);"
         fingerprint: Option<&Fingerprint>,
         commit: ClaimCommit,
     ) -> Result<Claim, StoreError> {
+        let mut conn = self.pool.acquire().await.map_err(StoreError::unavailable)?;
+        self.claim_on(&mut conn, key, lease, ttl, fingerprint, commit).await
+    }
+
+    /// [`Store::claim`] on `conn`, outside any transaction: the claim commits on its
+    /// own, and `conn` can go on to run the handler's transaction.
+    pub(crate) async fn claim_on(
+        &self,
+        conn: &mut PgConnection,
+        key: &Key,
+        lease: Duration,
+        ttl: Duration,
+        fingerprint: Option<&Fingerprint>,
+        commit: ClaimCommit,
+    ) -> Result<Claim, StoreError> {
         self.maybe_purge();
         self.renewal_pool();
         let retention = crate::claim_retention(lease, ttl);
@@ -219,7 +234,7 @@ CREATE INDEX IF NOT EXISTS {index}_expires_at ON {t} (expires_at);"
                 .bind(millis(lease))
                 .bind(millis(retention))
                 .bind(fingerprint.map(|f| f.as_bytes().as_slice()))
-                .fetch_optional(&self.pool)
+                .fetch_optional(&mut *conn)
                 .await;
             let row = match row {
                 Ok(row) => row,
