@@ -249,8 +249,33 @@ pub(crate) trait Completion<S: ?Sized> {
         result: Option<&[u8]>,
     ) -> Completed;
     /// Throws away what the body did, when it failed or panicked, and gives back what
-    /// the claim or `begin` took (a connection); also called without a body run.
-    async fn discard(self);
+    /// the claim or `begin` took (a connection); also called without a body run. Says
+    /// whether the claim still stands, so that the caller can release it or mark it
+    /// FAILED.
+    async fn discard(
+        self,
+        store: &S,
+        key: &Key,
+        spec: &Spec,
+        fingerprint: Option<&Fingerprint>,
+    ) -> Discarded;
+    /// Whether the claim is committed while the body runs, with a lease to renew and a
+    /// release to send if the call is dropped. A claim held inside the body's own
+    /// transaction has neither: it lasts exactly as long as that transaction.
+    fn claim_committed(&self) -> bool {
+        true
+    }
+}
+
+/// What is left of the claim once [`Completion::discard`] threw the body's effects away.
+pub(crate) enum Discarded {
+    /// The claim stands, under its token.
+    Held,
+    /// The claim went with the body's transaction and was taken again, under this token.
+    Retaken(Token),
+    /// The claim went with the body's transaction, and could not be taken again:
+    /// another consumer has the key, or the store did not answer.
+    Gone,
 }
 
 /// What [`Completion::complete`] did.
@@ -327,7 +352,9 @@ impl<S: Store + ?Sized> Completion<S> for StoreCompletion {
         }
     }
 
-    async fn discard(self) {}
+    async fn discard(self, _: &S, _: &Key, _: &Spec, _: Option<&Fingerprint>) -> Discarded {
+        Discarded::Held
+    }
 }
 
 /// [`run`], with `completion` deciding how the result is recorded.
@@ -372,7 +399,8 @@ where
             return Err(Error::Store { error, handler_ran: false });
         }
     };
-    let claim = HeldClaim { spec, store, key: &key, token, claimed_at };
+    let mut claim = HeldClaim { spec, store, key: &key, token, claimed_at };
+    let fingerprint = fingerprint.as_ref();
 
     if attempt > spec.max_attempts {
         // Every allowed attempt was started and none finished (each crashed, panicked
@@ -380,7 +408,11 @@ where
         let attempts = attempt - 1;
         // What the completion holds (a pooled connection) goes back first: the FAILED
         // record may need it.
-        completion.discard().await;
+        match completion.discard(store, &key, &spec, fingerprint).await {
+            Discarded::Held => {}
+            Discarded::Retaken(token) => claim.token = token,
+            Discarded::Gone => return Err(Error::LeaseLost { attempt }),
+        }
         if claim.fail("earlier attempts never finished").await.is_err() {
             return Err(Error::LeaseLost { attempt });
         }
@@ -391,17 +423,24 @@ where
 
     // Armed until the result is recorded: a call dropped at any await from here on
     // gives the key back (a no-op once the record is DONE or FAILED).
-    let abandon = AbandonOnDrop { store, key: &key, token, armed: true };
+    let committed = completion.claim_committed();
+    let mut abandon = AbandonOnDrop { store, key: &key, token, armed: committed };
     if let Err(error) = completion.begin(store, &spec).await {
         let _ = claim.release().await;
         abandon.disarm();
         return Err(Error::Store { error, handler_ran: false });
     }
     let body = AssertUnwindSafe(body).catch_unwind();
-    let Ok(finished) = with_renewal(&claim, first_renewal, body).await else {
+    let run = if committed {
+        with_renewal(&claim, first_renewal, body).await
+    } else {
+        // Nothing to renew: the claim is the transaction's row lock.
+        Ok(body.await)
+    };
+    let Ok(finished) = run else {
         // Another consumer owns the key now: the body was stopped rather than left to
         // run beside it, and nothing of this attempt is recorded.
-        completion.discard().await;
+        completion.discard(store, &key, &spec, fingerprint).await;
         abandon.disarm();
         return Err(Error::LeaseLost { attempt });
     };
@@ -428,7 +467,7 @@ where
             }
         }
         Ok(Err(error)) => {
-            completion.discard().await;
+            let discarded = completion.discard(store, &key, &spec, fingerprint).await;
             // User code (classify, Display, the hook) runs outside the body's
             // catch_unwind: a panic in it must not leave the claim dangling.
             let class = catch_unwind(AssertUnwindSafe(|| classify(&error)));
@@ -437,7 +476,17 @@ where
                 catch_unwind(AssertUnwindSafe(|| error.to_string()))
                     .unwrap_or_else(|_| "(the error's Display implementation panicked)".to_owned())
             };
-            if retryable && attempt < spec.max_attempts {
+            let ended = match discarded {
+                Discarded::Held => Ok(()),
+                Discarded::Retaken(token) => {
+                    (claim.token, abandon.token, abandon.armed) = (token, token, true);
+                    Ok(())
+                }
+                Discarded::Gone => Err(Lost),
+            };
+            if let Err(Lost) = ended {
+                lost(attempt, message())
+            } else if retryable && attempt < spec.max_attempts {
                 match claim.release().await {
                     Ok(()) => Err(Error::Retryable { error, attempt }),
                     Err(Lost) => lost(attempt, message()),
@@ -453,10 +502,20 @@ where
             }
         }
         Err(panic) => {
-            completion.discard().await;
+            let discarded = completion.discard(store, &key, &spec, fingerprint).await;
             let message = panic_message(&*panic);
             let exhausted = attempt >= spec.max_attempts;
-            let ended = if exhausted {
+            let ended = match discarded {
+                Discarded::Held => Ok(()),
+                Discarded::Retaken(token) => {
+                    (claim.token, abandon.token, abandon.armed) = (token, token, true);
+                    Ok(())
+                }
+                Discarded::Gone => Err(Lost),
+            };
+            let ended = if ended.is_err() {
+                ended
+            } else if exhausted {
                 // The last allowed attempt: fail it now, with what happened, rather
                 // than have the next delivery find it abandoned.
                 claim.fail("the handler panicked on its last attempt").await

@@ -19,8 +19,8 @@ use sqlx::pool::PoolConnection;
 use sqlx::{Postgres, SqlSafeStr, Transaction};
 
 use crate::alert::TerminalEvent;
-use crate::execute::{Call, Completed, Completion, ResultCache, Spec, run_with};
-use crate::store::postgres::ClaimCommit;
+use crate::execute::{Call, Completed, Completion, Discarded, ResultCache, Spec, run_with};
+use crate::store::postgres::{ClaimCommit, TransactionalClaim};
 use crate::{
     Claim, Error, ErrorClass, Fingerprint, Key, Outcome, PostgresStore, StoreError, Token,
     Transition,
@@ -57,7 +57,14 @@ where
     HF: Future<Output = ()>,
     F: Future<Output = Result<T, E>>,
 {
-    run_with(call, store, InTransaction { slot, conn: None }, classify, on_terminal, body).await
+    let completion = InTransaction {
+        slot,
+        conn: None,
+        tx: None,
+        inline: store.transactional_claim() == TransactionalClaim::InTransaction,
+        claimed_at: tokio::time::Instant::now(),
+    };
+    run_with(call, store, completion, classify, on_terminal, body).await
 }
 
 /// A store that can commit a handler's DONE record in the handler's own transaction:
@@ -162,6 +169,13 @@ struct InTransaction<'a> {
     /// it: one pool checkout per message instead of two (each costs a round trip to
     /// test the connection, and another when it goes back).
     conn: Option<PoolConnection<Postgres>>,
+    /// With [`TransactionalClaim::InTransaction`]: the transaction the claim was won
+    /// in, until `begin` lends it to the handler.
+    tx: Option<Transaction<'static, Postgres>>,
+    /// Whether the claim is taken inside the handler's transaction.
+    inline: bool,
+    /// When the claim was sent.
+    claimed_at: tokio::time::Instant,
 }
 
 impl Completion<PostgresStore> for InTransaction<'_> {
@@ -181,6 +195,17 @@ impl Completion<PostgresStore> for InTransaction<'_> {
     ) -> Result<Claim, StoreError> {
         let mut conn = store.pool().acquire().await.map_err(StoreError::unavailable)?;
         let (lease, ttl) = (spec.lease(), spec.ttl());
+        self.claimed_at = tokio::time::Instant::now();
+        if self.inline {
+            let mut tx = begin_read_committed(conn, spec).await?;
+            let claim = store.claim_in_transaction(&mut tx, key, lease, ttl, fingerprint).await?;
+            if matches!(claim, Claim::Won { .. }) {
+                self.tx = Some(tx);
+            }
+            // Otherwise the transaction, which changed nothing, is rolled back when its
+            // connection is next used.
+            return Ok(claim);
+        }
         let claim =
             store.claim_on(&mut conn, key, lease, ttl, fingerprint, ClaimCommit::Deferred).await?;
         if matches!(claim, Claim::Won { .. }) {
@@ -194,19 +219,12 @@ impl Completion<PostgresStore> for InTransaction<'_> {
     /// isolation level would refuse the DONE update for it (SQLSTATE 40001). Gives up
     /// after a third of the lease, the renewal period, which is not running yet.
     async fn begin(&mut self, _: &PostgresStore, spec: &Spec) -> Result<(), StoreError> {
-        let Some(conn) = self.conn.take() else {
-            return Err(StoreError::Protocol("the claim's connection went missing".to_owned()));
-        };
-        let statement = "BEGIN ISOLATION LEVEL READ COMMITTED".into_sql_str();
-        // A dropped or failed begin drops the connection, which the pool rolls back.
-        let begin = Transaction::begin(conn, Some(statement));
-        let tx = match tokio::time::timeout(spec.lease() / 3, begin).await {
-            Ok(tx) => tx.map_err(StoreError::unavailable)?,
-            Err(_) => {
-                return Err(StoreError::unavailable(format!(
-                    "the handler's transaction did not begin within {:?} (a third of the lease)",
-                    spec.lease() / 3
-                )));
+        let tx = match (self.tx.take(), self.conn.take()) {
+            (Some(tx), _) => tx,
+            (None, Some(conn)) => begin_read_committed(conn, spec).await?,
+            (None, None) => {
+                let error = "the claim's connection went missing".to_owned();
+                return Err(StoreError::Protocol(error));
             }
         };
         self.slot.put(tx);
@@ -225,7 +243,16 @@ impl Completion<PostgresStore> for InTransaction<'_> {
             let error = StoreError::Protocol("the handler's transaction went missing".to_owned());
             return Completed::Failed { error, effects_kept: false };
         };
-        match store.complete_on(&mut tx, key, token, spec.ttl(), result).await {
+        let recorded = if !self.inline {
+            store.complete_on(&mut tx, key, token, spec.ttl(), result).await
+        } else if result.is_some() || self.claimed_at.elapsed() > spec.lease() {
+            // The claim wrote DONE, without the result, kept `ttl` + `lease` from the
+            // claim: date it from now when that is too short.
+            store.redate_done(&mut tx, key, spec.ttl(), result).await
+        } else {
+            Ok(Transition::Applied)
+        };
+        match recorded {
             Ok(Transition::Applied) => match tx.commit().await {
                 Ok(()) => Completed::Applied,
                 // Whether it committed is unknown. The caller releases the key, which
@@ -246,11 +273,53 @@ impl Completion<PostgresStore> for InTransaction<'_> {
         }
     }
 
-    async fn discard(self) {
+    /// With [`TransactionalClaim::InTransaction`] the rollback takes the claim with
+    /// it: the key is claimed again, on its own and committed, to count the attempt
+    /// and to be released or marked FAILED.
+    async fn discard(
+        self,
+        store: &PostgresStore,
+        key: &Key,
+        spec: &Spec,
+        fingerprint: Option<&Fingerprint>,
+    ) -> Discarded {
         drop(self.conn);
-        if let Some(tx) = self.slot.take() {
+        for tx in [self.tx, self.slot.take()].into_iter().flatten() {
             rollback(tx).await;
         }
+        if !self.inline {
+            return Discarded::Held;
+        }
+        let (lease, ttl) = (spec.lease(), spec.ttl());
+        match store.claim_with(key, lease, ttl, fingerprint, ClaimCommit::Deferred).await {
+            Ok(Claim::Won { token, .. }) => Discarded::Retaken(token),
+            Ok(_) => Discarded::Gone,
+            Err(error) => {
+                tracing::warn!(%key, %error, "the attempt could not be recorded");
+                Discarded::Gone
+            }
+        }
+    }
+
+    fn claim_committed(&self) -> bool {
+        !self.inline
+    }
+}
+
+/// Begins at READ COMMITTED on `conn`, giving up after a third of the lease. A dropped
+/// or failed begin drops the connection, which the pool rolls back.
+async fn begin_read_committed(
+    conn: PoolConnection<Postgres>,
+    spec: &Spec,
+) -> Result<Transaction<'static, Postgres>, StoreError> {
+    let statement = "BEGIN ISOLATION LEVEL READ COMMITTED".into_sql_str();
+    let begin = Transaction::begin(conn, Some(statement));
+    match tokio::time::timeout(spec.lease() / 3, begin).await {
+        Ok(tx) => tx.map_err(StoreError::unavailable),
+        Err(_) => Err(StoreError::unavailable(format!(
+            "the handler's transaction did not begin within {:?} (a third of the lease)",
+            spec.lease() / 3
+        ))),
     }
 }
 

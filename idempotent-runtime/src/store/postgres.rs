@@ -77,6 +77,44 @@ pub struct PostgresStore {
     renewals: Arc<OnceLock<PgPool>>,
     sql: Arc<Sql>,
     purge: Arc<PurgeSchedule>,
+    transactional_claim: TransactionalClaim,
+}
+
+/// Where a `transactional` handler's claim is taken
+/// ([`PostgresStore::with_transactional_claim`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum TransactionalClaim {
+    /// In its own statement, committed (without waiting for its WAL flush) before the
+    /// handler's transaction begins; DONE is recorded in that transaction. A
+    /// concurrent duplicate sees the claim at once and is answered
+    /// [`InProgress`](crate::Outcome::InProgress); a consumer that dies mid-handler
+    /// has still used up an attempt, so a message that kills its consumer every time
+    /// is dead-lettered after `max_attempts`; the lease is renewed while the handler
+    /// runs and lapses when its consumer stops.
+    #[default]
+    Committed,
+    /// As the first statement of the handler's transaction, which records DONE right
+    /// away: nothing about the message is committed until the handler's writes are,
+    /// which saves a statement and a commit per message (the hand-written inbox's
+    /// cost, with a claim). A concurrent duplicate is still answered `InProgress` at
+    /// once (the claim also takes a transaction-scoped advisory lock on the key's
+    /// hash, and a duplicate that can't take it does not wait). What it gives up:
+    ///
+    /// * attempts are counted when a handler returns an error or panics, but not when
+    ///   its consumer dies or its call is dropped mid-handler (that rolls the attempt
+    ///   back with everything else), so a message that kills its consumer every time
+    ///   is redelivered for ever instead of being dead-lettered after `max_attempts`;
+    /// * there is no lease: the claim lasts as long as the transaction, so a handler
+    ///   that hangs without its consumer dying (or its call being dropped) holds the
+    ///   key until its connection closes, and `lease` only caps how much longer than
+    ///   `ttl` the DONE record may be kept;
+    /// * a handler that takes longer than its lease, or caches its result, pays one
+    ///   more statement to date the DONE record from its completion;
+    /// * a claim-first consumer of the same record (a plain handler on this store, or
+    ///   another process configured otherwise) waits up to [`LOCK_TIMEOUT`] on a
+    ///   record this mode holds before answering `InProgress`.
+    InTransaction,
 }
 
 /// How many connections lease renewals keep, beside the pool.
@@ -88,6 +126,8 @@ struct Sql {
     table: String,
     claim: SqlStr,
     claim_deferred: SqlStr,
+    claim_in_transaction: SqlStr,
+    redate_done: SqlStr,
     finish: SqlStr,
     release: SqlStr,
     renew: SqlStr,
@@ -120,7 +160,20 @@ impl PostgresStore {
             renewals: Arc::default(),
             sql: Arc::new(Sql::new(DEFAULT_TABLE)),
             purge: Arc::default(),
+            transactional_claim: TransactionalClaim::default(),
         }
+    }
+
+    /// Where `transactional` handlers take their claim: [`TransactionalClaim`] says
+    /// what each choice gives and costs. Plain handlers always claim first.
+    pub fn with_transactional_claim(mut self, claim: TransactionalClaim) -> PostgresStore {
+        self.transactional_claim = claim;
+        self
+    }
+
+    /// Where `transactional` handlers take their claim.
+    pub fn transactional_claim(&self) -> TransactionalClaim {
+        self.transactional_claim
     }
 
     /// Keeps records in `table` (`name` or `schema.name`; letters, digits and `_`).
@@ -257,6 +310,62 @@ CREATE INDEX IF NOT EXISTS {index}_expires_at ON {t} (expires_at);"
         Err(StoreError::Protocol("claim saw no record after 10 tries".to_owned()))
     }
 
+    /// [`TransactionalClaim::InTransaction`]'s claim, inside the caller's transaction
+    /// on `conn`: the record is written DONE (kept `ttl` + `lease`), which it becomes
+    /// for everyone else when, and only if, that transaction commits.
+    pub(crate) async fn claim_in_transaction(
+        &self,
+        conn: &mut PgConnection,
+        key: &Key,
+        lease: Duration,
+        ttl: Duration,
+        fingerprint: Option<&Fingerprint>,
+    ) -> Result<Claim, StoreError> {
+        self.maybe_purge();
+        let stored = key.stored();
+        let lock = advisory_lock_id(&self.sql.table, stored.as_ref());
+        for _ in 0..10 {
+            let row: Option<ClaimRow> = sqlx::query_as(self.sql.claim_in_transaction.clone())
+                .bind(stored.as_ref())
+                .bind(lock)
+                .bind(millis(ttl.saturating_add(lease)))
+                .bind(fingerprint.map(|f| f.as_bytes().as_slice()))
+                .fetch_optional(&mut *conn)
+                .await
+                .map_err(sql::store_error)?;
+            let Some((outcome, attempts, result)) = row else { continue };
+            let attempts = u32::try_from(attempts).unwrap_or(0);
+            return match outcome.as_str() {
+                "W" => Ok(Claim::Won { token: Token::random(), attempt: attempts }),
+                "D" => Ok(result.map_or(Claim::Done, Claim::Cached)),
+                "F" => Ok(Claim::Failed { attempts }),
+                "P" => Ok(Claim::InProgress),
+                "M" => Ok(Claim::Mismatch),
+                other => Err(StoreError::Protocol(format!("claim returned {other:?}"))),
+            };
+        }
+        Err(StoreError::Protocol("claim saw no record after 10 tries".to_owned()))
+    }
+
+    /// Dates the DONE record [`claim_in_transaction`](Self::claim_in_transaction) wrote
+    /// from now, with `result`, inside the same transaction.
+    pub(crate) async fn redate_done(
+        &self,
+        conn: &mut PgConnection,
+        key: &Key,
+        ttl: Duration,
+        result: Option<&[u8]>,
+    ) -> Result<Transition, StoreError> {
+        let done = sqlx::query(self.sql.redate_done.clone())
+            .bind(key.stored().as_ref())
+            .bind(millis(ttl))
+            .bind(result)
+            .execute(conn)
+            .await
+            .map_err(sql::store_error)?;
+        Ok(if done.rows_affected() == 1 { Transition::Applied } else { Transition::LeaseLost })
+    }
+
     /// Records DONE through `conn`, inside the caller's transaction: the record
     /// becomes DONE when, and only if, that transaction commits.
     pub(crate) async fn complete_on(
@@ -350,6 +459,12 @@ impl Sql {
             table: t.to_owned(),
             claim: statement(claim_sql(t, ClaimCommit::Durable)),
             claim_deferred: statement(claim_sql(t, ClaimCommit::Deferred)),
+            claim_in_transaction: statement(claim_in_transaction_sql(t)),
+            // $2 ttl ms, $3 result. The row is the calling transaction's own.
+            redate_done: statement(format!(
+                "UPDATE {t} SET expires_at = clock_timestamp() + $2 * interval '1 millisecond',
+    result = $3 WHERE key = $1 AND state = 'D'"
+            )),
             // $3 state (D or F), $4 ttl ms, $5 result.
             finish: statement(format!(
                 "UPDATE {t} SET state = $3::\"char\", token = NULL, lease_until = NULL,
@@ -417,6 +532,62 @@ SELECT CASE WHEN r.fingerprint IS NOT NULL AND $5::bytea IS NOT NULL
 FROM {t} r
 WHERE r.key = $1 AND r.expires_at > clock_timestamp() AND NOT EXISTS (SELECT 1 FROM claimed)"
     )
+}
+
+/// [`TransactionalClaim::InTransaction`]'s claim: $1 key, $2 advisory lock id, $3
+/// retention ms (ttl + lease), $4 fingerprint. It takes the key's advisory lock
+/// without waiting (`P` when another transaction holds it), then inserts or takes over
+/// the record as DONE under the same conditions as [`claim_sql`], or reads why it
+/// can't. Neither the lock timeout nor the commit mode is changed: they would hold for
+/// the handler's statements too.
+fn claim_in_transaction_sql(t: &str) -> String {
+    format!(
+        "WITH lock AS MATERIALIZED (
+    SELECT pg_try_advisory_xact_lock($2) AS held
+), claimed AS (
+    INSERT INTO {t} AS r (key, state, attempts, token, lease_until, expires_at, fingerprint)
+    SELECT $1, 'D', 1, NULL, NULL, clock_timestamp() + $3 * interval '1 millisecond', $4
+    FROM lock WHERE held
+    ON CONFLICT (key) DO UPDATE SET
+        state = 'D',
+        attempts = CASE WHEN r.expires_at <= clock_timestamp() THEN 1 ELSE r.attempts + 1 END,
+        token = NULL,
+        lease_until = NULL,
+        expires_at = EXCLUDED.expires_at,
+        fingerprint = CASE WHEN r.expires_at <= clock_timestamp() THEN EXCLUDED.fingerprint
+                           ELSE COALESCE(r.fingerprint, EXCLUDED.fingerprint) END,
+        result = NULL
+    WHERE r.expires_at <= clock_timestamp()
+       OR ((r.state = 'R' OR (r.state = 'P' AND r.lease_until <= clock_timestamp()))
+           AND (r.fingerprint IS NULL OR EXCLUDED.fingerprint IS NULL
+                OR r.fingerprint = EXCLUDED.fingerprint))
+    RETURNING 'W'::text AS outcome, r.attempts, NULL::bytea AS result
+)
+SELECT outcome, attempts, result FROM claimed
+UNION ALL
+SELECT 'P', 0, NULL FROM lock WHERE NOT held
+UNION ALL
+SELECT CASE WHEN r.fingerprint IS NOT NULL AND $4::bytea IS NOT NULL
+                 AND r.fingerprint <> $4::bytea THEN 'M'
+            WHEN r.state = 'D' THEN 'D'
+            WHEN r.state = 'F' THEN 'F'
+            ELSE 'P' END,
+       r.attempts, r.result
+FROM {t} r, lock
+WHERE lock.held AND r.key = $1 AND r.expires_at > clock_timestamp()
+  AND NOT EXISTS (SELECT 1 FROM claimed)"
+    )
+}
+
+/// The advisory lock [`claim_in_transaction_sql`] takes for a record: FNV-1a (64 bits)
+/// of the table's name and the stored key, the same in every process and version.
+/// Two keys that share it only make one of them wait its turn (`InProgress`).
+fn advisory_lock_id(table: &str, stored: &[u8]) -> i64 {
+    let mut hash = 0xcbf2_9ce4_8422_2325_u64;
+    for &byte in table.as_bytes().iter().chain(&[0]).chain(stored) {
+        hash = (hash ^ u64::from(byte)).wrapping_mul(0x0100_0000_01b3);
+    }
+    hash as i64
 }
 
 #[async_trait]
