@@ -30,7 +30,9 @@ pub use super::sql::{DEFAULT_TABLE, PURGE_BATCH, PURGE_EVERY_CLAIMS};
 ///   DONE update find nothing, which rolls the handler's writes back, and the DONE
 ///   commit flushes the claim anyway. For a plain handler, whose effects happen
 ///   elsewhere, a lost claim would make `complete` fail and the redelivery run the
-///   handler again.)
+///   handler again.) A transactional handler's claim runs on the connection its
+///   transaction then uses; with [`TransactionalClaim::InTransaction`] it is instead
+///   the transaction's first statement, and commits with it.
 /// * Complete, release, fail and renew are one `UPDATE ... WHERE key = $1 AND state =
 ///   'P' AND token = $2`: a consumer whose lease was taken over changes nothing.
 /// * Every statement waits at most [`LOCK_TIMEOUT`] for a locked record row (one left
@@ -39,9 +41,9 @@ pub use super::sql::{DEFAULT_TABLE, PURGE_BATCH, PURGE_EVERY_CLAIMS};
 /// * Lease renewals run on [`RENEWAL_CONNECTIONS`] connections of their own, opened
 ///   with the pool's options on first use, so they never wait behind the handlers'
 ///   transactions; size the pool for the handlers in flight (in `transactional` mode
-///   each holds one connection for its whole run) plus a few for claims. A
-///   transactional handler that gets no connection within a third of its lease is
-///   released and retried rather than run on a lapsing claim.
+///   each holds one connection from its claim to its commit) plus a few for plain
+///   claims. A transactional handler waits for its connection before it claims, so a
+///   full pool delays claims rather than eating into leases.
 /// * Errors that retrying can't fix (a value the database refuses) are
 ///   [`StoreError::Rejected`]: the message is dead-lettered, not retried for ever.
 /// * Expired rows are deleted in the background, [`PURGE_BATCH`] at a time, every
