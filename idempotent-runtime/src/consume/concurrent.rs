@@ -3,9 +3,11 @@
 
 use std::collections::BTreeSet;
 use std::future::Future;
+use std::time::Duration;
 
 use futures_util::future::Either;
 use futures_util::stream::{FuturesUnordered, Stream, StreamExt as _};
+use tokio::time::Instant;
 
 use crate::{Disposition, DispositionExt};
 
@@ -34,9 +36,16 @@ impl Answer {
 /// settled, or held by another consumer), and that second answer settles it. So a
 /// key delivered twice close together settles both deliveries in one pass instead of
 /// leaving one for a redelivery.
+///
+/// It waits for those calls at most `patience` (the consumer's retry delay: a
+/// redelivery would bring it back by then anyway); then it is settled by its first
+/// answer. Otherwise one call that takes long, or never returns, would hold every
+/// delivery met `InProgress` after it, and once those fill the `concurrency` slots
+/// (or the broker's limit of unsettled deliveries), the whole consumer.
 pub(crate) async fn settle_concurrently<D, E, S, C, CF, T, TF, X>(
     deliveries: S,
     concurrency: usize,
+    patience: Duration,
     mut call: C,
     mut settle: T,
 ) -> Result<(), E>
@@ -51,9 +60,10 @@ where
     let mut deliveries = std::pin::pin!(deliveries.fuse());
     let mut work = FuturesUnordered::new();
     // Sequence numbers of the calls running, and calls waiting to run again once the
-    // calls started before the given number have returned.
+    // calls started before the given number have returned (or, past the given
+    // instant, to be settled by their first answer).
     let mut calls = Calls::default();
-    let mut waiting: Vec<(u64, D)> = Vec::new();
+    let mut waiting: Vec<Waiting<D>> = Vec::new();
     let mut ended = false;
     let mut start = |delivery: D, again: bool, calls: &mut Calls| {
         calls.started += 1;
@@ -64,15 +74,20 @@ where
     };
     loop {
         let oldest = calls.running.first().copied();
+        let now = Instant::now();
         let mut index = 0;
         while index < waiting.len() {
-            if oldest.is_none_or(|oldest| oldest > waiting[index].0) {
-                let (_, delivery) = waiting.swap_remove(index);
+            if oldest.is_none_or(|oldest| oldest > waiting[index].after) {
+                let Waiting { delivery, .. } = waiting.swap_remove(index);
                 work.push(start(delivery, true, &mut calls));
+            } else if waiting[index].until <= now {
+                let Waiting { delivery, first, .. } = waiting.swap_remove(index);
+                work.push(Either::Right(settling(settle(delivery, first))));
             } else {
                 index += 1;
             }
         }
+        let patience_over = waiting.iter().map(|w| w.until).min();
         if ended && work.is_empty() && waiting.is_empty() {
             return Ok(());
         }
@@ -87,16 +102,36 @@ where
                 Step::Called { seq, delivery, answer, again } => {
                     calls.running.remove(&seq);
                     if answer.in_progress && !again && concurrency > 1 {
-                        waiting.push((calls.started, delivery));
+                        // A patience too long to count is no limit.
+                        let until = Instant::now()
+                            .checked_add(patience)
+                            .unwrap_or_else(|| Instant::now() + Duration::from_secs(86_400 * 365));
+                        let first = answer.disposition;
+                        waiting.push(Waiting { after: calls.started, until, first, delivery });
                     } else {
-                        let settled = settle(delivery, answer.disposition);
-                        work.push(Either::Right(async move { Step::Settled(settled.await.map(drop)) }));
+                        work.push(Either::Right(settling(settle(delivery, answer.disposition))));
                     }
                 }
                 Step::Settled(result) => result?,
             },
+            () = tokio::time::sleep_until(patience_over.unwrap_or(now)), if patience_over.is_some() => {}
         }
     }
+}
+
+/// A settle, as a step of the loop.
+async fn settling<D, E, X>(settled: impl Future<Output = Result<X, E>>) -> Step<D, E> {
+    Step::Settled(settled.await.map(drop))
+}
+
+/// A delivery whose call answered `InProgress`, waiting to be called again.
+struct Waiting<D> {
+    /// Called again once every call up to this sequence number has returned...
+    after: u64,
+    /// ... or, at this instant, settled by its first answer.
+    until: Instant,
+    first: Disposition,
+    delivery: D,
 }
 
 /// The calls started so far, and those still running, by sequence number.
@@ -129,6 +164,8 @@ mod tests {
         in_flight: usize,
         most_in_flight: usize,
         settled: Vec<(u32, Disposition)>,
+        /// Keys whose call never returns.
+        hung: Vec<u32>,
     }
 
     async fn run(
@@ -154,6 +191,9 @@ mod tests {
                         return Answer { disposition: Disposition::Retry, in_progress: true };
                     }
                 }
+                if keys.borrow().hung.contains(&key) {
+                    std::future::pending::<()>().await;
+                }
                 tokio::time::sleep(Duration::from_millis(10 + u64::from(key % 7))).await;
                 let mut k = keys.borrow_mut();
                 k.held.remove(&key);
@@ -172,7 +212,7 @@ mod tests {
                 Ok(())
             }
         };
-        settle_concurrently(stream, concurrency, call, settle).await
+        settle_concurrently(stream, concurrency, Duration::from_secs(1), call, settle).await
     }
 
     #[tokio::test(start_paused = true)]
@@ -217,5 +257,32 @@ mod tests {
         let stopped = run((0..100).collect(), 4, keys.clone(), Some(10)).await;
         assert_eq!(stopped, Err("settle failed"));
         assert!(keys.borrow().settled.len() < 100);
+    }
+
+    /// One call hangs (a handler stuck on a dependency) while a delivery meets a key
+    /// another consumer holds. That delivery must not wait for the hung call before
+    /// it is settled, nor keep the loop from taking the next deliveries: without the
+    /// rerun, it would have been settled at once and the other slots kept working.
+    #[tokio::test(start_paused = true)]
+    async fn a_hung_call_does_not_stall_deliveries_met_in_progress() {
+        let keys = Rc::new(RefCell::new(Keys::default()));
+        keys.borrow_mut().hung.push(99);
+        keys.borrow_mut().held.insert(5, ());
+        let deliveries = vec![99, 5, 1, 2, 3];
+        let ran =
+            tokio::time::timeout(Duration::from_secs(60), run(deliveries, 2, keys.clone(), None));
+        assert!(ran.await.is_err(), "the hung call returned");
+        let mut settled = keys.borrow().settled.clone();
+        settled.sort_by_key(|&(key, _)| key);
+        assert_eq!(
+            settled,
+            vec![
+                (1, Disposition::Ack),
+                (2, Disposition::Ack),
+                (3, Disposition::Ack),
+                (5, Disposition::Retry)
+            ],
+            "deliveries stuck behind the hung call"
+        );
     }
 }

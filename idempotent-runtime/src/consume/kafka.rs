@@ -335,20 +335,20 @@ impl KafkaConsumer {
         &self.consumer
     }
 
-    /// Handles records until receiving, a settle or a commit fails, with that error:
-    /// up to [`concurrency`](KafkaConsumer::concurrency) handler calls at once, across
-    /// partitions and within one, each record settled by its own result as soon as
-    /// its call returns, as [`next`](KafkaConsumer::next) settles one. A partition's
+    /// Handles records until receiving, a settle or a commit fails, with that error: up
+    /// to [`concurrency`](KafkaConsumer::concurrency) handler calls at once, across
+    /// partitions and within one, each record settled by its own result as soon as its
+    /// call returns, as [`next`](KafkaConsumer::next) settles one. A partition's
     /// committed offset never passes a record that is not settled: the commit is the
     /// lowest offset below which every record is acked or dead-lettered, sent every
-    /// [`commit_interval`](KafkaConsumer::commit_interval) for all partitions at
-    /// once. A record left for retry rewinds its partition as `next` does; its
-    /// records already in flight finish, and are read again (duplicates) once the
-    /// record comes round. A record whose call answered `InProgress` while other
-    /// calls ran is handled once more after them (it may have met a record of the
-    /// same key here). Records in hand when the future is dropped or fails rewind
-    /// their partitions to the lowest of them; settled offsets not yet committed are
-    /// committed then.
+    /// [`commit_interval`](KafkaConsumer::commit_interval) for all partitions at once.
+    /// A record left for retry rewinds its partition as `next` does; its records
+    /// already in flight finish, and are read again (duplicates) once the record comes
+    /// round. A record whose call answered `InProgress` while other calls ran is
+    /// handled once more after them (it may have met a record of the same key here), if
+    /// they return within the retry delay; otherwise it is settled by its first answer.
+    /// Records in hand when the future is dropped or fails rewind their partitions to
+    /// the lowest of them; settled offsets not yet committed are committed then.
     pub async fn run<F, Fut, R>(&self, mut handler: F) -> Result<(), KafkaError>
     where
         F: FnMut(KafkaMessage) -> Fut,
@@ -376,10 +376,16 @@ impl KafkaConsumer {
             let call = handler(held.message.clone());
             async move { Answer::of(&call.await) }
         };
-        settle_concurrently(deliveries, self.concurrency, call, |held, disposition| async move {
-            self.settle(held, disposition).await?;
-            if self.flush_due() { self.flush() } else { Ok(()) }
-        })
+        settle_concurrently(
+            deliveries,
+            self.concurrency,
+            self.retry_delay,
+            call,
+            |held, disposition| async move {
+                self.settle(held, disposition).await?;
+                if self.flush_due() { self.flush() } else { Ok(()) }
+            },
+        )
         .await
     }
 

@@ -175,13 +175,14 @@ impl NatsConsumer {
         self
     }
 
-    /// Handles messages until the subscription ends (then `Ok`), or pulling or a
-    /// settle fails (then that error): up to [`concurrency`](NatsConsumer::concurrency)
+    /// Handles messages until the subscription ends (then `Ok`), or pulling or a settle
+    /// fails (then that error): up to [`concurrency`](NatsConsumer::concurrency)
     /// handler calls at once, each message settled by its own result as soon as its
     /// call returns, as [`next`](NatsConsumer::next) settles one. A message whose call
     /// answered `InProgress` while other calls ran is handled once more after them (it
-    /// may have met a message of the same key here). Messages in hand when the future
-    /// is dropped or returns an error are redelivered after `ack_wait`.
+    /// may have met a message of the same key here), if they return within the retry
+    /// delay; otherwise it is settled by its first answer. Messages in hand when the
+    /// future is dropped or returns an error are redelivered after `ack_wait`.
     pub async fn run<F, Fut, R>(&self, mut handler: F) -> Result<(), NatsError>
     where
         F: FnMut(NatsMessage) -> Fut,
@@ -203,9 +204,13 @@ impl NatsConsumer {
                 }
             }
         };
-        settle_concurrently(deliveries, self.concurrency, call, |held, disposition| {
-            self.settle(held, disposition)
-        })
+        settle_concurrently(
+            deliveries,
+            self.concurrency,
+            self.retry_delay,
+            call,
+            |held, disposition| self.settle(held, disposition),
+        )
         .await
     }
 

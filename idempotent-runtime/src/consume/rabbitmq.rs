@@ -181,8 +181,9 @@ impl RabbitConsumer {
     /// [`concurrency`](RabbitConsumer::concurrency) handler calls at once, each
     /// delivery settled by its own result as soon as its call returns, as
     /// [`next`](RabbitConsumer::next) settles one. A delivery whose call answered
-    /// `InProgress` while other calls ran is handled once more after them (it may
-    /// have met a delivery of the same key here). Deliveries in hand when the future
+    /// `InProgress` while other calls ran is handled once more after them (it may have
+    /// met a delivery of the same key here), if they return within the retry delay;
+    /// otherwise it is settled by its first answer. Deliveries in hand when the future
     /// is dropped or returns an error are requeued.
     pub async fn run<F, Fut, R>(&self, mut handler: F) -> lapin::Result<()>
     where
@@ -195,9 +196,13 @@ impl RabbitConsumer {
             let call = handler(held.message.clone());
             async move { Answer::of(&call.await) }
         };
-        settle_concurrently(deliveries, self.concurrency, call, |held, disposition| {
-            self.settle(held, disposition)
-        })
+        settle_concurrently(
+            deliveries,
+            self.concurrency,
+            self.retry_delay,
+            call,
+            |held, disposition| self.settle(held, disposition),
+        )
         .await
     }
 
