@@ -357,8 +357,10 @@ impl KafkaConsumer {
     /// round. A record whose call answered `InProgress` while other calls ran is
     /// handled once more after them (it may have met a record of the same key here), if
     /// they return within the retry delay; otherwise it is settled by its first answer.
-    /// Records in hand when the future is dropped or fails rewind their partitions to
-    /// the lowest of them; settled offsets not yet committed are committed then.
+    /// After an error the calls in flight still return and are settled before `run`
+    /// answers it. Records in hand when the future is dropped, or waiting for a second
+    /// call when it fails, rewind their partitions to the lowest of them; settled
+    /// offsets not yet committed are committed then.
     pub async fn run<F, Fut, R>(&self, mut handler: F) -> Result<(), KafkaError>
     where
         F: FnMut(KafkaMessage) -> Fut,

@@ -181,8 +181,10 @@ impl NatsConsumer {
     /// call returns, as [`next`](NatsConsumer::next) settles one. A message whose call
     /// answered `InProgress` while other calls ran is handled once more after them (it
     /// may have met a message of the same key here), if they return within the retry
-    /// delay; otherwise it is settled by its first answer. Messages in hand when the
-    /// future is dropped or returns an error are redelivered after `ack_wait`.
+    /// delay; otherwise it is settled by its first answer. After an error the calls in
+    /// flight still return and are settled before `run` answers it. Messages in hand
+    /// when the future is dropped, or waiting for a second call when it fails, are
+    /// redelivered after `ack_wait`.
     pub async fn run<F, Fut, R>(&self, mut handler: F) -> Result<(), NatsError>
     where
         F: FnMut(NatsMessage) -> Fut,

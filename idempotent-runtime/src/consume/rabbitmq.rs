@@ -183,8 +183,9 @@ impl RabbitConsumer {
     /// [`next`](RabbitConsumer::next) settles one. A delivery whose call answered
     /// `InProgress` while other calls ran is handled once more after them (it may have
     /// met a delivery of the same key here), if they return within the retry delay;
-    /// otherwise it is settled by its first answer. Deliveries in hand when the future
-    /// is dropped or returns an error are requeued.
+    /// otherwise it is settled by its first answer. After an error the calls in flight
+    /// still return and are settled before `run` answers it. Deliveries in hand when
+    /// the future is dropped, or waiting for a second call when it fails, are requeued.
     pub async fn run<F, Fut, R>(&self, mut handler: F) -> lapin::Result<()>
     where
         F: FnMut(RabbitMessage) -> Fut,
