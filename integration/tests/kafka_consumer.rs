@@ -368,3 +368,76 @@ fn a_returning_partition_does_not_resume_from_a_stale_retry() {
         assert_eq!(runs.get("0"), Some(&2), "{runs:?}");
     });
 }
+
+/// A record in flight when its partition is revoked and assigned back to the same
+/// member (a member joining, a resubscription) answers Retry afterwards. The
+/// partition belongs to a new assignment by then, so the record neither rewinds nor
+/// commits it; nor may it pause it: nothing would resume it, and the member would
+/// never again read the partition it owns.
+#[test]
+fn a_retry_from_before_a_rebalance_does_not_leave_the_partition_paused() {
+    use std::sync::Mutex;
+    use std::sync::atomic::{AtomicBool, Ordering};
+    let Some(broker) = Broker::start() else { return };
+    block_on(async {
+        let topic = testing::fresh_key("kafka-stale-retry").namespace().to_owned();
+        broker.create_topics(&[(&topic, 1), (&format!("{topic}.dead"), 1)]).await;
+        let producer: FutureProducer = broker.config().create().unwrap();
+        produce(&producer, &topic, 0, "0").await;
+        let consumer =
+            KafkaConsumer::new(broker.member("g", &topic), producer, format!("{topic}.dead"))
+                .retry_delay(Duration::from_millis(100))
+                .concurrency(4);
+        let (started, release) = (tokio::sync::Notify::new(), tokio::sync::Notify::new());
+        let first = AtomicBool::new(true);
+        let handled = Mutex::new(Vec::<String>::new());
+        let count = |name: &str| handled.lock().unwrap().iter().filter(|b| *b == name).count();
+        let run = consumer.run(|m| {
+            let name = body(&m);
+            handled.lock().unwrap().push(name.clone());
+            let held = name == "0" && first.swap(false, Ordering::SeqCst);
+            let (started, release) = (&started, &release);
+            async move {
+                if held {
+                    started.notify_one();
+                    release.notified().await;
+                    return Settled::Err(Error::Panicked {
+                        message: "flaky".into(),
+                        attempt: 1,
+                        exhausted: false,
+                    });
+                }
+                ok()
+            }
+        });
+        let script = async {
+            started.notified().await;
+            // The partition leaves and comes back while record 0 is handled.
+            consumer.consumer().unsubscribe();
+            tokio::time::sleep(Duration::from_secs(1)).await;
+            consumer.consumer().subscribe(&[topic.as_str()]).unwrap();
+            let deadline = Instant::now() + Duration::from_secs(20);
+            while count("0") < 2 {
+                assert!(Instant::now() < deadline, "the partition was not assigned back");
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+            // The call of the earlier assignment answers Retry now.
+            release.notify_one();
+            tokio::time::sleep(Duration::from_secs(1)).await;
+            produce(&broker.config().create().unwrap(), &topic, 0, "1").await;
+            let deadline = Instant::now() + Duration::from_secs(15);
+            while count("1") < 1 {
+                assert!(
+                    Instant::now() < deadline,
+                    "record 1 was never read: the partition stays paused ({:?})",
+                    handled.lock().unwrap()
+                );
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        };
+        tokio::select! {
+            ended = run => panic!("run ended: {ended:?}"),
+            () = script => {}
+        }
+    });
+}

@@ -477,10 +477,14 @@ impl KafkaConsumer {
             Disposition::Ack => self.settled(&held),
             Disposition::Retry => {
                 let due = Instant::now() + self.retry_delay;
-                self.rewind(topic, partition, offset, held.epoch, due)?;
-                let mut paused = TopicPartitionList::new();
-                paused.add_partition(topic, partition);
-                self.consumer.pause(&paused)?;
+                // A record of an earlier assignment pauses nothing: the partition is
+                // another assignment's now (maybe this member's again), and with no
+                // retry of its own pending nothing would resume it.
+                if self.rewind(topic, partition, offset, held.epoch, due)? {
+                    let mut paused = TopicPartitionList::new();
+                    paused.add_partition(topic, partition);
+                    self.consumer.pause(&paused)?;
+                }
             }
             Disposition::DeadLetter => {
                 // Not dead-lettered, so not settled: the held record rewinds.
@@ -557,7 +561,7 @@ impl KafkaConsumer {
     /// it. A rewind already pending to an earlier offset is kept. Recorded before the
     /// seek, so a failed seek still keeps later records from being committed past
     /// it. Nothing happens for a record of an earlier assignment (`epoch`): the
-    /// partition is no longer this record's to rewind.
+    /// partition is no longer this record's to rewind; then `false`.
     fn rewind(
         &self,
         topic: &str,
@@ -565,10 +569,11 @@ impl KafkaConsumer {
         offset: i64,
         epoch: u64,
         due: Instant,
-    ) -> Result<(), KafkaError> {
+    ) -> Result<bool, KafkaError> {
         let target = self.consumer.context().state().rewind(topic, partition, offset, epoch, due);
-        let Some(target) = target else { return Ok(()) };
-        self.seek(topic, partition, target)
+        let Some(target) = target else { return Ok(false) };
+        self.seek(topic, partition, target)?;
+        Ok(true)
     }
 
     fn seek(&self, topic: &str, partition: i32, offset: i64) -> Result<(), KafkaError> {
