@@ -278,3 +278,38 @@ async fn run_is_bounded_and_settles_a_key_delivered_twice_in_one_pass() {
     assert!(effects.values().all(|&n| n == 1), "{effects:?}");
     setup.delete().await;
 }
+
+#[idempotent(key = "{/id}", store = store, namespace = "nats-held")]
+async fn three_seconds(msg: NatsMessage, store: &MemoryStore) {
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let _ = msg;
+}
+
+/// A message met `InProgress` while another call of its key runs here waits for that
+/// call without a progress signal: it must not wait past `ack_wait` (here shorter
+/// than the retry delay), or the server hands it out again while it is still held.
+#[tokio::test]
+async fn a_message_waiting_for_a_second_call_is_not_redelivered_meanwhile() {
+    let config = pull::Config { ack_wait: Duration::from_secs(1), ..Default::default() };
+    let Some(setup) = Setup::new(config).await else { return };
+    let subject = format!("{}.orders", setup.name);
+    for body in [r#"{"id":1,"n":"a"}"#, r#"{"id":1,"n":"b"}"#] {
+        setup.js.publish(subject.clone(), body.into()).await.unwrap().await.unwrap();
+    }
+    let consumer = setup.consumer().await.concurrency(4).retry_delay(Duration::from_secs(10));
+    let store = MemoryStore::new();
+    let calls: Mutex<HashMap<String, u32>> = Mutex::default();
+    let run = consumer.run(|m: NatsMessage| {
+        let value: idempotent::serde_json::Value =
+            idempotent::serde_json::from_slice(&m.payload).unwrap();
+        *calls.lock().unwrap().entry(value["n"].as_str().unwrap().to_owned()).or_default() += 1;
+        three_seconds(m, &store)
+    });
+    tokio::select! {
+        ended = run => panic!("run ended: {ended:?}"),
+        () = tokio::time::sleep(Duration::from_millis(2_800)) => {}
+    }
+    let calls = calls.lock().unwrap().clone();
+    assert_eq!(calls.get("b"), Some(&1), "b was handed out again while held: {calls:?}");
+    setup.delete().await;
+}

@@ -48,7 +48,8 @@ impl Payload for NatsMessage {
 /// subject and wait for JetStream to store it, then `+TERM` so the server never
 /// redelivers it.
 ///
-/// * While a handler runs, the message is kept from redelivery with `+WPI` (work in
+/// * While a message is in hand (its handler runs, or under `run` it waits for a
+///   second call or for its settle), it is kept from redelivery with `+WPI` (work in
 ///   progress) every third of the consumer's `ack_wait`, so a handler may take longer
 ///   than `ack_wait` without the server handing the message out again.
 /// * The consumer pulls [`batch`](NatsConsumer::batch) messages at a time (default
@@ -196,15 +197,8 @@ impl NatsConsumer {
         let deliveries = messages
             .map(|message| message.map(|message| self.held(message)).map_err(NatsError::from));
         let call = |held: &Held| {
-            let (call, acker) = (handler(held.message.clone()), held.acker.clone());
-            let progress = self.progress(acker);
-            async move {
-                tokio::select! {
-                    biased;
-                    result = call => Answer::of(&result),
-                    never = progress => match never {},
-                }
-            }
+            let call = handler(held.message.clone());
+            async move { Answer::of(&call.await) }
         };
         settle_concurrently(
             deliveries,
@@ -236,12 +230,7 @@ impl NatsConsumer {
             Ok(message) => self.held(message),
             Err(e) => return Some(Err(e.into())),
         };
-        let progress = self.progress(held.acker.clone());
-        let disposition = tokio::select! {
-            biased;
-            result = handler(held.message.clone()) => result.disposition(),
-            never = progress => match never {},
-        };
+        let disposition = handler(held.message.clone()).await.disposition();
         Some(self.settle(held, disposition).await)
     }
 
@@ -253,21 +242,23 @@ impl NatsConsumer {
             _ => false,
         };
         let (message, acker) = message.split();
+        let acker = Arc::new(acker);
         Held {
+            _progress: Progress(tokio::spawn(self.progress(acker.clone()))),
             message: NatsMessage {
                 subject: message.subject.to_string(),
                 payload: message.payload,
                 headers: message.headers,
             },
-            acker: Arc::new(acker),
+            acker,
             last_delivery,
             source: info.map(|(_, sequence)| sequence),
         }
     }
 
-    /// Signals work in progress every third of `ack_wait`, for ever: raced against a
-    /// handler call, it keeps the server from redelivering the message meanwhile.
-    fn progress(&self, acker: Arc<Acker>) -> impl Future<Output = std::convert::Infallible> {
+    /// Signals work in progress every third of `ack_wait`, until aborted: it keeps the
+    /// server from redelivering the message while it is in hand.
+    fn progress(&self, acker: Arc<Acker>) -> impl Future<Output = ()> + Send + 'static {
         let period = (self.ack_wait / 3).max(Duration::from_millis(10));
         async move {
             loop {
@@ -301,14 +292,27 @@ impl NatsConsumer {
 }
 
 /// A message in hand: the message (handed to the handler as a copy, and kept for a
-/// dead-letter copy), its acker, and what its reply subject said.
+/// dead-letter copy), its acker, and what its reply subject said. From the moment it
+/// is taken from the pulled batch until it is settled or dropped, a task of its own
+/// signals work in progress: while its handler runs, and also while it waits for a
+/// second call or for its settle.
 struct Held {
+    _progress: Progress,
     message: NatsMessage,
     acker: Arc<Acker>,
     /// Its delivery is the last the JetStream consumer's `max_deliver` allows.
     last_delivery: bool,
     /// Its stream sequence.
     source: Option<u64>,
+}
+
+/// A message's progress signal, stopped when its message is settled or dropped.
+struct Progress(tokio::task::JoinHandle<()>);
+
+impl Drop for Progress {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
 }
 
 impl NatsConsumer {
