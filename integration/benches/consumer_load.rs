@@ -44,9 +44,20 @@ impl Counts {
         }
     }
 
-    async fn until(&self, total: u64) {
-        while self.settled.load(Ordering::Relaxed) < total {
-            tokio::time::sleep(Duration::from_millis(2)).await;
+    /// Drives `run` (a consumer's loop) until `total` messages are settled.
+    async fn until<E: std::fmt::Debug>(
+        &self,
+        total: u64,
+        run: impl Future<Output = Result<(), E>>,
+    ) {
+        let settled = async {
+            while self.settled.load(Ordering::Relaxed) < total {
+                tokio::time::sleep(Duration::from_millis(2)).await;
+            }
+        };
+        tokio::select! {
+            () = settled => {}
+            ended = run => panic!("the consumer stopped: {ended:?}"),
         }
     }
 }
@@ -237,10 +248,7 @@ async fn rabbitmq(
                 .await
         }
     };
-    tokio::select! {
-        () = counts.until(settings.messages) => {}
-        ended = run => panic!("the consumer stopped: {ended:?}"),
-    }
+    counts.until(settings.messages, run).await;
     let elapsed = start.elapsed();
     for q in [&queue, &dead] {
         channel.queue_delete(q.as_str().into(), Default::default()).await.unwrap();
@@ -305,10 +313,7 @@ async fn nats(
                 .await
         }
     };
-    tokio::select! {
-        () = counts.until(settings.messages) => {}
-        ended = run => panic!("the consumer stopped: {ended:?}"),
-    }
+    counts.until(settings.messages, run).await;
     let elapsed = start.elapsed();
     js.delete_stream(&name).await.unwrap();
     elapsed
@@ -365,10 +370,7 @@ async fn kafka(
                 .await
         }
     };
-    tokio::select! {
-        () = counts.until(settings.messages) => {}
-        ended = run => panic!("the consumer stopped: {ended:?}"),
-    }
+    counts.until(settings.messages, run).await;
     start.elapsed()
 }
 
