@@ -441,3 +441,71 @@ fn a_retry_from_before_a_rebalance_does_not_leave_the_partition_paused() {
         }
     });
 }
+
+/// At the default concurrency, records of one partition with the same key (and the
+/// partition's records without a key) are handled one after the other in offset
+/// order, while records of other keys run beside them.
+#[test]
+fn records_of_one_key_are_handled_in_offset_order() {
+    use std::sync::Mutex;
+    let Some(broker) = Broker::start() else { return };
+    block_on(async {
+        let topic = testing::fresh_key("kafka-order").namespace().to_owned();
+        broker.create_topics(&[(&topic, 1), (&format!("{topic}.dead"), 1)]).await;
+        let producer: FutureProducer = broker.config().create().unwrap();
+        let total = 60;
+        for i in 0..total {
+            let body = i.to_string();
+            let key = format!("k{}", i % 3);
+            let record = FutureRecord::to(&topic).partition(0).payload(&body);
+            let record = if i % 4 == 3 { record } else { record.key(&key) };
+            producer.send(record, Duration::from_secs(10)).await.map_err(|(e, _)| e).unwrap();
+        }
+        let consumer =
+            KafkaConsumer::new(broker.member("g", &topic), producer, format!("{topic}.dead"));
+        let started = Mutex::new(Vec::<(Option<Vec<u8>>, i64)>::new());
+        let in_flight = Mutex::new((0, 0));
+        let (running, overlaps) = (Mutex::new(HashSet::new()), Mutex::new(Vec::new()));
+        let run = consumer.run(|m| {
+            started.lock().unwrap().push((m.key.clone(), m.offset));
+            if !running.lock().unwrap().insert(m.key.clone()) {
+                overlaps.lock().unwrap().push(m.offset);
+            }
+            let (in_flight, running) = (&in_flight, &running);
+            async move {
+                {
+                    let mut n = in_flight.lock().unwrap();
+                    n.0 += 1;
+                    n.1 = n.1.max(n.0);
+                }
+                let pause = 2 + (m.offset * 7 % 11) as u64;
+                tokio::time::sleep(Duration::from_millis(pause)).await;
+                in_flight.lock().unwrap().0 -= 1;
+                running.lock().unwrap().remove(&m.key);
+                ok()
+            }
+        });
+        let all = async {
+            while started.lock().unwrap().len() < total {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        };
+        tokio::select! {
+            () = all => {}
+            ended = run => panic!("run ended: {ended:?}"),
+            () = tokio::time::sleep(Duration::from_secs(30)) => panic!("not every record was handled"),
+        }
+        let started = started.into_inner().unwrap();
+        let mut lanes: HashMap<Option<Vec<u8>>, Vec<i64>> = HashMap::new();
+        for (key, offset) in started {
+            lanes.entry(key).or_default().push(offset);
+        }
+        assert_eq!(lanes.len(), 4, "three keys and the keyless records");
+        for (key, offsets) in &lanes {
+            assert!(offsets.windows(2).all(|w| w[0] < w[1]), "{key:?} out of order: {offsets:?}");
+        }
+        let overlaps = overlaps.into_inner().unwrap();
+        assert!(overlaps.is_empty(), "started while a record of its key ran: {overlaps:?}");
+        assert!(in_flight.lock().unwrap().1 > 1, "the lanes ran side by side");
+    });
+}

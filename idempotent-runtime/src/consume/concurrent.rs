@@ -1,7 +1,8 @@
 //! The settle loop the consumers share: up to n deliveries in flight, each settled
 //! as soon as its handler call returns.
 
-use std::collections::BTreeSet;
+use std::collections::hash_map::Entry;
+use std::collections::{BTreeSet, HashMap, VecDeque};
 use std::future::Future;
 use std::time::Duration;
 
@@ -45,15 +46,22 @@ impl Answer {
 /// answer. Otherwise one call that takes long, or never returns, would hold every
 /// delivery met `InProgress` after it, and once those fill the `concurrency` slots
 /// (or the broker's limit of unsettled deliveries), the whole consumer.
-pub(crate) async fn settle_concurrently<D, E, S, C, CF, T, TF, X>(
+///
+/// Deliveries of one `lane` (`Some`) run one after the other, in the order they were
+/// read: each starts once the one before it is settled, and a Retry drops the lane's
+/// deliveries not yet started, unsettled (the broker hands them out again after the
+/// retried one). Deliveries of no lane (`None`) run as they come.
+pub(crate) async fn settle_concurrently<D, E, S, L, C, CF, T, TF, X>(
     deliveries: S,
     concurrency: usize,
     patience: Duration,
+    lane: L,
     mut call: C,
     mut settle: T,
 ) -> Result<(), E>
 where
     S: Stream<Item = Result<D, E>>,
+    L: Fn(&D) -> Option<u64>,
     C: FnMut(&D) -> CF,
     CF: Future<Output = Answer>,
     T: FnMut(D, Disposition) -> TF,
@@ -67,8 +75,15 @@ where
     // instant, to be settled by their first answer).
     let mut calls = Calls::default();
     let mut waiting: Vec<Waiting<D>> = Vec::new();
+    // Per lane with a delivery in hand, the deliveries read after it, not started.
+    let mut lanes: HashMap<u64, VecDeque<D>> = HashMap::new();
+    let mut queued = 0;
     let mut ended = false;
     let mut failed: Option<E> = None;
+    let mut finish = |delivery: D, disposition: Disposition| {
+        let lane = lane(&delivery);
+        Either::Right(settling(lane, disposition, settle(delivery, disposition)))
+    };
     let mut start = |delivery: D, again: bool, calls: &mut Calls| {
         calls.started += 1;
         let seq = calls.started;
@@ -86,22 +101,34 @@ where
                 work.push(start(delivery, true, &mut calls));
             } else if waiting[index].until <= now {
                 let Waiting { delivery, first, .. } = waiting.swap_remove(index);
-                work.push(Either::Right(settling(settle(delivery, first))));
+                work.push(finish(delivery, first));
             } else {
                 index += 1;
             }
         }
         if failed.is_some() {
             waiting.clear();
+            lanes.values_mut().for_each(VecDeque::clear);
+            queued = 0;
         }
         let patience_over = waiting.iter().map(|w| w.until).min();
         if ended && work.is_empty() && waiting.is_empty() {
             return failed.map_or(Ok(()), Err);
         }
-        let room = work.len() + waiting.len() < concurrency;
+        let room = work.len() + waiting.len() + queued < concurrency;
         tokio::select! {
             next = deliveries.next(), if room && !ended => match next {
-                Some(Ok(delivery)) => work.push(start(delivery, false, &mut calls)),
+                Some(Ok(delivery)) => match lane(&delivery).map(|l| lanes.entry(l)) {
+                    Some(Entry::Occupied(mut behind)) => {
+                        behind.get_mut().push_back(delivery);
+                        queued += 1;
+                    }
+                    Some(Entry::Vacant(free)) => {
+                        free.insert(VecDeque::new());
+                        work.push(start(delivery, false, &mut calls));
+                    }
+                    None => work.push(start(delivery, false, &mut calls)),
+                },
                 Some(Err(error)) => {
                     failed = Some(error);
                     ended = true;
@@ -119,16 +146,32 @@ where
                         let first = answer.disposition;
                         waiting.push(Waiting { after: calls.started, until, first, delivery });
                     } else {
-                        work.push(Either::Right(settling(settle(delivery, answer.disposition))));
+                        work.push(finish(delivery, answer.disposition));
                     }
                 }
-                Step::Settled(Ok(())) => {}
-                Step::Settled(Err(error)) => {
-                    if failed.is_none() {
-                        failed = Some(error);
-                        ended = true;
-                    } else {
-                        tracing::warn!("settling a delivery failed after an earlier error");
+                Step::Settled { lane, disposition, result } => {
+                    if let Err(error) = result {
+                        if failed.is_none() {
+                            failed = Some(error);
+                            ended = true;
+                        } else {
+                            tracing::warn!("settling a delivery failed after an earlier error");
+                        }
+                    }
+                    if let Some(Entry::Occupied(mut behind)) = lane.map(|l| lanes.entry(l)) {
+                        if disposition == Disposition::Retry || failed.is_some() {
+                            queued -= behind.get().len();
+                            behind.get_mut().clear();
+                        }
+                        match behind.get_mut().pop_front() {
+                            Some(next) => {
+                                queued -= 1;
+                                work.push(start(next, false, &mut calls));
+                            }
+                            None => {
+                                behind.remove();
+                            }
+                        }
                     }
                 }
             },
@@ -138,8 +181,12 @@ where
 }
 
 /// A settle, as a step of the loop.
-async fn settling<D, E, X>(settled: impl Future<Output = Result<X, E>>) -> Step<D, E> {
-    Step::Settled(settled.await.map(drop))
+async fn settling<D, E, X>(
+    lane: Option<u64>,
+    disposition: Disposition,
+    settled: impl Future<Output = Result<X, E>>,
+) -> Step<D, E> {
+    Step::Settled { lane, disposition, result: settled.await.map(drop) }
 }
 
 /// A delivery whose call answered `InProgress`, waiting to be called again.
@@ -161,7 +208,7 @@ struct Calls {
 
 enum Step<D, E> {
     Called { seq: u64, delivery: D, answer: Answer, again: bool },
-    Settled(Result<(), E>),
+    Settled { lane: Option<u64>, disposition: Disposition, result: Result<(), E> },
 }
 
 #[cfg(test)]
@@ -230,7 +277,8 @@ mod tests {
                 Ok(())
             }
         };
-        settle_concurrently(stream, concurrency, Duration::from_secs(1), call, settle).await
+        settle_concurrently(stream, concurrency, Duration::from_secs(1), |_| None, call, settle)
+            .await
     }
 
     #[tokio::test(start_paused = true)]
@@ -319,5 +367,60 @@ mod tests {
         let mut settled: Vec<u32> = keys.settled.iter().map(|&(key, _)| key).collect();
         settled.sort();
         assert_eq!(settled, (1..8).collect::<Vec<_>>(), "the calls in flight were not settled");
+    }
+
+    /// Deliveries of one lane run one at a time, in the order read, while other lanes
+    /// run beside them; a Retry drops the lane's deliveries not yet started, unsettled,
+    /// and the lane goes on with the next ones read.
+    #[tokio::test(start_paused = true)]
+    async fn a_lane_runs_in_order_and_a_retry_drops_what_waits_behind_it() {
+        // (lane, number): lane 0's second delivery is retried.
+        let deliveries: Vec<(u64, u32)> =
+            vec![(0, 1), (1, 1), (0, 2), (0, 3), (1, 2), (2, 1), (1, 3)];
+        let running = RefCell::new(HashMap::<u64, u32>::new());
+        let started = RefCell::new(Vec::new());
+        let settled = RefCell::new(Vec::new());
+        let dropped = Rc::new(RefCell::new(Vec::new()));
+        struct Delivery((u64, u32), Rc<RefCell<Vec<(u64, u32)>>>, bool);
+        impl Drop for Delivery {
+            fn drop(&mut self) {
+                if !self.2 {
+                    self.1.borrow_mut().push(self.0);
+                }
+            }
+        }
+        let stream = futures_util::stream::iter(
+            deliveries.into_iter().map(|d| Ok::<_, ()>(Delivery(d, dropped.clone(), false))),
+        );
+        let call = |d: &Delivery| {
+            let ((lane, n), running, started) = (d.0, &running, &started);
+            async move {
+                assert!(running.borrow_mut().insert(lane, n).is_none(), "lane {lane} ran twice");
+                started.borrow_mut().push((lane, n));
+                tokio::time::sleep(Duration::from_millis(10)).await;
+                running.borrow_mut().remove(&lane);
+                let disposition =
+                    if (lane, n) == (0, 2) { Disposition::Retry } else { Disposition::Ack };
+                Answer { disposition, in_progress: false }
+            }
+        };
+        let settle = |mut d: Delivery, disposition| {
+            d.2 = true;
+            settled.borrow_mut().push((d.0, disposition));
+            async { Ok::<_, ()>(()) }
+        };
+        settle_concurrently(stream, 8, Duration::from_secs(1), |d| Some(d.0.0), call, settle)
+            .await
+            .unwrap();
+        let started = started.into_inner();
+        for lane in 0..3 {
+            let order: Vec<u32> =
+                started.iter().filter(|(l, _)| *l == lane).map(|&(_, n)| n).collect();
+            assert!(order.windows(2).all(|w| w[0] < w[1]), "lane {lane} out of order: {order:?}");
+        }
+        assert_eq!(*dropped.borrow(), vec![(0, 3)], "what waited behind the retry is dropped");
+        assert_eq!(settled.borrow().len(), 6);
+        assert!(settled.borrow().contains(&((0, 2), Disposition::Retry)));
+        assert!(started.contains(&(1, 1)) && started.contains(&(2, 1)));
     }
 }

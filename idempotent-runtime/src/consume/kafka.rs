@@ -81,11 +81,13 @@ impl Payload for KafkaMessage {
 /// `next` or `run` is dropped mid-record (a `select!`, a timeout), the record's
 /// partition is rewound to it, so a later commit cannot pass it.
 ///
-/// Handler calls of one partition run in offset order only at concurrency 1: above
-/// it, records of a partition are handled side by side and may finish in any order
-/// (the commit still follows offsets). A handler that must see a partition's records
-/// in order (a per-entity state machine that is not its own guard) wants
-/// `concurrency(1)`, or one consumer task per partition.
+/// Order: `run` handles the records of one partition that share a key one after the
+/// other, in offset order, each starting once the one before it is settled, and so
+/// the partition's records without a key; records of different keys run side by
+/// side. A retried record holds back the records of its key behind it: they are read
+/// again after it. So an entity whose updates are keyed by its id sees them in order,
+/// as Kafka promises per partition; a handler that needs a whole partition in order,
+/// across keys, wants `concurrency(1)`.
 ///
 /// A member that dies without committing leaves its records to the member that gets
 /// its partitions, from the last committed offset.
@@ -370,8 +372,9 @@ impl KafkaConsumer {
     /// [`commit_interval`](KafkaConsumer::commit_interval) for all partitions at once.
     /// A record left for retry rewinds its partition as `next` does; its records
     /// already in flight finish, and are read again (duplicates) once the record comes
-    /// round. A record whose call answered `InProgress` while other calls ran is
-    /// handled once more after them (it may have met a record of the same key here), if
+    /// round. Records of one partition with the same key run one after the other, in
+    /// offset order (see the type's documentation). A record whose call answered
+    /// `InProgress` while other calls ran is handled once more after them (it may have met a record of the same key here), if
     /// they return within the retry delay; otherwise it is settled by its first answer.
     /// After an error the calls in flight still return and are settled before `run`
     /// answers it. Records in hand when the future is dropped, or waiting for a second
@@ -408,6 +411,7 @@ impl KafkaConsumer {
             deliveries,
             self.concurrency,
             self.retry_delay,
+            |held: &Held<'_>| Some(lane(&held.message, held.epoch)),
             call,
             |held, disposition| async move {
                 self.settle(held, disposition).await?;
@@ -645,6 +649,18 @@ impl KafkaConsumer {
             Err(_) => Err(KafkaError::MessageProduction(RDKafkaErrorCode::MessageTimedOut)),
         }
     }
+}
+
+/// The records handled one after the other, in offset order: those of one partition
+/// with the same key, or, for records without a key, the partition's keyless ones,
+/// within one assignment of the partition (a record still in flight from an earlier
+/// one cannot commit, and must not hold up the new owner's records). Two lanes whose
+/// numbers collide are merely kept in one order.
+fn lane(message: &KafkaMessage, epoch: u64) -> u64 {
+    use std::hash::{Hash, Hasher};
+    let mut hasher = std::hash::DefaultHasher::new();
+    (&message.topic, message.partition, &message.key, epoch).hash(&mut hasher);
+    hasher.finish()
 }
 
 /// The record's headers, with keys read as UTF-8 lossily. rdkafka's own header

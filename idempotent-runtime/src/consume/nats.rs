@@ -186,6 +186,9 @@ impl NatsConsumer {
     /// flight still return and are settled before `run` answers it. Messages in hand
     /// when the future is dropped, or waiting for a second call when it fails, are
     /// redelivered after `ack_wait`.
+    ///
+    /// The messages are read in the broker's order but handled side by side: where
+    /// their order matters, use `concurrency(1)`.
     pub async fn run<F, Fut, R>(&self, mut handler: F) -> Result<(), NatsError>
     where
         F: FnMut(NatsMessage) -> Fut,
@@ -204,6 +207,7 @@ impl NatsConsumer {
             deliveries,
             self.concurrency,
             self.retry_delay,
+            |_| None,
             call,
             |held, disposition| self.settle(held, disposition),
         )

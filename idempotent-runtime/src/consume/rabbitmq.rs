@@ -186,6 +186,9 @@ impl RabbitConsumer {
     /// otherwise it is settled by its first answer. After an error the calls in flight
     /// still return and are settled before `run` answers it. Deliveries in hand when
     /// the future is dropped, or waiting for a second call when it fails, are requeued.
+    ///
+    /// The deliveries are read in the broker's order but handled side by side: where
+    /// their order matters, use `concurrency(1)`.
     pub async fn run<F, Fut, R>(&self, mut handler: F) -> lapin::Result<()>
     where
         F: FnMut(RabbitMessage) -> Fut,
@@ -201,6 +204,7 @@ impl RabbitConsumer {
             deliveries,
             self.concurrency,
             self.retry_delay,
+            |_| None,
             call,
             |held, disposition| self.settle(held, disposition),
         )
