@@ -299,15 +299,7 @@ CREATE INDEX IF NOT EXISTS {index}_expires_at ON {t} (expires_at);"
                 Err(e) => return Err(sql::store_error(e)),
             };
             let Some((outcome, attempts, result)) = row else { continue };
-            let attempts = u32::try_from(attempts).unwrap_or(0);
-            return match outcome.as_str() {
-                "W" => Ok(Claim::Won { token, attempt: attempts }),
-                "D" => Ok(result.map_or(Claim::Done, Claim::Cached)),
-                "F" => Ok(Claim::Failed { attempts }),
-                "P" => Ok(Claim::InProgress),
-                "M" => Ok(Claim::Mismatch),
-                other => Err(StoreError::Protocol(format!("claim returned {other:?}"))),
-            };
+            return claim_answer(&outcome, attempts, result, token);
         }
         Err(StoreError::Protocol("claim saw no record after 10 tries".to_owned()))
     }
@@ -339,15 +331,7 @@ CREATE INDEX IF NOT EXISTS {index}_expires_at ON {t} (expires_at);"
                     .await
                     .map_err(sql::store_error)?;
             let Some((Some(outcome), attempts, result)) = row else { continue };
-            let attempts = u32::try_from(attempts).unwrap_or(0);
-            return match outcome.as_str() {
-                "W" => Ok(Claim::Won { token: Token::random(), attempt: attempts }),
-                "D" => Ok(result.map_or(Claim::Done, Claim::Cached)),
-                "F" => Ok(Claim::Failed { attempts }),
-                "P" => Ok(Claim::InProgress),
-                "M" => Ok(Claim::Mismatch),
-                other => Err(StoreError::Protocol(format!("claim returned {other:?}"))),
-            };
+            return claim_answer(&outcome, attempts, result, Token::random());
         }
         Err(StoreError::Protocol("claim saw no record after 10 tries".to_owned()))
     }
@@ -425,6 +409,25 @@ fn statement(sql: String) -> SqlStr {
 }
 
 /// What a claim statement answers: outcome letter, attempts, cached result.
+/// The claim a claim statement's row answers: its outcome letter, the attempts and
+/// any cached result; `token` is the claim's, if it won.
+fn claim_answer(
+    outcome: &str,
+    attempts: i32,
+    result: Option<Vec<u8>>,
+    token: Token,
+) -> Result<Claim, StoreError> {
+    let attempts = u32::try_from(attempts).unwrap_or(0);
+    match outcome {
+        "W" => Ok(Claim::Won { token, attempt: attempts }),
+        "D" => Ok(result.map_or(Claim::Done, Claim::Cached)),
+        "F" => Ok(Claim::Failed { attempts }),
+        "P" => Ok(Claim::InProgress),
+        "M" => Ok(Claim::Mismatch),
+        other => Err(StoreError::Protocol(format!("claim returned {other:?}"))),
+    }
+}
+
 type ClaimRow = (String, i32, Option<Vec<u8>>);
 
 /// How long one of the store's statements waits for a row lock before giving up. A
