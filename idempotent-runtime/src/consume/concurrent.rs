@@ -13,13 +13,13 @@ use tokio::time::Instant;
 use crate::{Disposition, DispositionExt};
 
 /// What a handler call answered.
-pub(crate) struct Answer {
-    pub(crate) disposition: Disposition,
-    pub(crate) in_progress: bool,
+struct Answer {
+    disposition: Disposition,
+    in_progress: bool,
 }
 
 impl Answer {
-    pub(crate) fn of(result: &impl DispositionExt) -> Answer {
+    fn of(result: &impl DispositionExt) -> Answer {
         Answer { disposition: result.disposition(), in_progress: result.is_in_progress() }
     }
 }
@@ -51,7 +51,7 @@ impl Answer {
 /// read: each starts once the one before it is settled, and a Retry drops the lane's
 /// deliveries not yet started, unsettled (the broker hands them out again after the
 /// retried one). Deliveries of no lane (`None`) run as they come.
-pub(crate) async fn settle_concurrently<D, E, S, L, C, CF, T, TF, X>(
+pub(crate) async fn settle_concurrently<D, E, S, L, C, CF, R, T, TF, X>(
     deliveries: S,
     concurrency: usize,
     patience: Duration,
@@ -63,7 +63,8 @@ where
     S: Stream<Item = Result<D, E>>,
     L: Fn(&D) -> Option<u64>,
     C: FnMut(&D) -> CF,
-    CF: Future<Output = Answer>,
+    CF: Future<Output = R>,
+    R: DispositionExt,
     T: FnMut(D, Disposition) -> TF,
     TF: Future<Output = Result<X, E>>,
 {
@@ -88,8 +89,11 @@ where
         calls.started += 1;
         let seq = calls.started;
         calls.running.insert(seq);
-        let answer = call(&delivery);
-        Either::Left(async move { Step::Called { seq, delivery, answer: answer.await, again } })
+        let result = call(&delivery);
+        Either::Left(async move {
+            let answer = Answer::of(&result.await);
+            Step::Called { seq, delivery, answer, again }
+        })
     };
     loop {
         let oldest = calls.running.first().copied();
@@ -219,6 +223,17 @@ mod tests {
     use std::time::Duration;
 
     use super::*;
+
+    /// The tests' calls answer directly.
+    impl DispositionExt for Answer {
+        fn disposition(&self) -> Disposition {
+            self.disposition
+        }
+
+        fn is_in_progress(&self) -> bool {
+            self.in_progress
+        }
+    }
 
     /// A key claimed by a call until it returns; a second call meeting it answers
     /// `InProgress` (as the store would), and a call meeting a settled key acks.

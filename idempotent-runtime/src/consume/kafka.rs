@@ -16,7 +16,7 @@ use rdkafka::{ClientContext, Offset, Timestamp, TopicPartitionList};
 use tokio::time::Instant;
 
 use super::DEFAULT_CONCURRENCY;
-use super::concurrent::{Answer, settle_concurrently};
+use super::concurrent::settle_concurrently;
 use crate::{Disposition, DispositionExt, Payload, PayloadRef};
 
 /// One record from a partition.
@@ -403,16 +403,12 @@ impl KafkaConsumer {
                 }
             }
         });
-        let call = |held: &Held<'_>| {
-            let call = handler(held.message.clone());
-            async move { Answer::of(&call.await) }
-        };
         settle_concurrently(
             deliveries,
             self.concurrency,
             self.retry_delay,
             |held: &Held<'_>| Some(lane(&held.message, held.epoch)),
-            call,
+            |held: &Held<'_>| handler(held.message.clone()),
             |held, disposition| async move {
                 self.settle(held, disposition).await?;
                 if self.flush_due() { self.flush() } else { Ok(()) }

@@ -14,7 +14,7 @@ use bytes::Bytes;
 use futures_util::StreamExt as _;
 
 use super::DEFAULT_CONCURRENCY;
-use super::concurrent::{Answer, settle_concurrently};
+use super::concurrent::settle_concurrently;
 use crate::{Disposition, DispositionExt, Payload, PayloadRef};
 
 /// What can go wrong while consuming: the stream of messages, an acknowledgement, or
@@ -199,16 +199,12 @@ impl NatsConsumer {
         let messages = self.consumer.stream().max_messages_per_batch(batch).messages().await?;
         let deliveries = messages
             .map(|message| message.map(|message| self.held(message)).map_err(NatsError::from));
-        let call = |held: &Held| {
-            let call = handler(held.message.clone());
-            async move { Answer::of(&call.await) }
-        };
         settle_concurrently(
             deliveries,
             self.concurrency,
             self.retry_delay,
             |_| None,
-            call,
+            |held: &Held| handler(held.message.clone()),
             |held, disposition| self.settle(held, disposition),
         )
         .await

@@ -11,7 +11,7 @@ use lapin::types::{AMQPValue, FieldTable};
 use lapin::{BasicProperties, Channel, Confirmation, ExchangeKind};
 
 use super::DEFAULT_CONCURRENCY;
-use super::concurrent::{Answer, settle_concurrently};
+use super::concurrent::settle_concurrently;
 use crate::{Disposition, DispositionExt, Payload, PayloadRef};
 
 /// One delivery from a queue.
@@ -196,16 +196,12 @@ impl RabbitConsumer {
         R: DispositionExt,
     {
         let deliveries = self.consumer.clone().map(|delivery| delivery.map(Held::new));
-        let call = |held: &Held| {
-            let call = handler(held.message.clone());
-            async move { Answer::of(&call.await) }
-        };
         settle_concurrently(
             deliveries,
             self.concurrency,
             self.retry_delay,
             |_| None,
-            call,
+            |held: &Held| handler(held.message.clone()),
             |held, disposition| self.settle(held, disposition),
         )
         .await
