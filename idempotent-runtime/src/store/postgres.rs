@@ -496,6 +496,14 @@ impl Sql {
     }
 }
 
+/// When a claim takes an existing record over (the `ON CONFLICT ... DO UPDATE`
+/// condition, the same for both claim statements): it expired, or it was released or
+/// its lease ran out, and the fingerprints do not disagree.
+const TAKES_OVER: &str = "r.expires_at <= clock_timestamp()
+       OR ((r.state = 'R' OR (r.state = 'P' AND r.lease_until <= clock_timestamp()))
+           AND (r.fingerprint IS NULL OR EXCLUDED.fingerprint IS NULL
+                OR r.fingerprint = EXCLUDED.fingerprint))";
+
 /// The claim: one statement that inserts or takes over the record, or reads why it
 /// can't. $1 key, $2 token, $3 lease ms, $4 retention ms, $5 fingerprint. The settings
 /// are made in the inserted row's one-time filter, before the insert, so they hold
@@ -523,10 +531,7 @@ fn claim_sql(t: &str, commit: ClaimCommit) -> String {
         fingerprint = CASE WHEN r.expires_at <= clock_timestamp() THEN EXCLUDED.fingerprint
                            ELSE COALESCE(r.fingerprint, EXCLUDED.fingerprint) END,
         result = NULL
-    WHERE r.expires_at <= clock_timestamp()
-       OR ((r.state = 'R' OR (r.state = 'P' AND r.lease_until <= clock_timestamp()))
-           AND (r.fingerprint IS NULL OR EXCLUDED.fingerprint IS NULL
-                OR r.fingerprint = EXCLUDED.fingerprint))
+    WHERE {TAKES_OVER}
     RETURNING 'W'::text AS outcome, r.attempts, NULL::bytea AS result
 )
 SELECT outcome, attempts, result FROM claimed
@@ -564,10 +569,7 @@ fn claim_in_transaction_sql(t: &str) -> String {
         fingerprint = CASE WHEN r.expires_at <= clock_timestamp() THEN EXCLUDED.fingerprint
                            ELSE COALESCE(r.fingerprint, EXCLUDED.fingerprint) END,
         result = NULL
-    WHERE r.expires_at <= clock_timestamp()
-       OR ((r.state = 'R' OR (r.state = 'P' AND r.lease_until <= clock_timestamp()))
-           AND (r.fingerprint IS NULL OR EXCLUDED.fingerprint IS NULL
-                OR r.fingerprint = EXCLUDED.fingerprint))
+    WHERE {TAKES_OVER}
     RETURNING 'W'::text AS outcome, r.attempts, NULL::bytea AS result
 )
 SELECT outcome, attempts, result FROM claimed
