@@ -101,11 +101,14 @@ fn handler(c: &mut Criterion) {
                     let tasks: Vec<_> = (0..2)
                         .map(|_| {
                             tokio::spawn(async move {
-                                for _ in 0..iters / 2 {
+                                // Ids of its own: a shared counter would make the two
+                                // threads contend on its cache line in every call.
+                                let first = NEXT.fetch_add(iters / 2, Ordering::Relaxed);
+                                for id in first..first + iters / 2 {
                                     if wrapped_call {
-                                        let _ = black_box(wrapped(fresh()).await.unwrap());
+                                        let _ = black_box(wrapped(Msg { id }).await.unwrap());
                                     } else {
-                                        black_box(direct(fresh()).await.unwrap());
+                                        black_box(direct(Msg { id }).await.unwrap());
                                     }
                                 }
                             })

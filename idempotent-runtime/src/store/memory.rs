@@ -104,8 +104,38 @@ struct Shard {
 
 struct Entry {
     hash: u64,
-    key: Box<[u8]>,
+    key: KeyCopy,
     record: Record,
+}
+
+/// Longest key a record keeps inline.
+const INLINE_KEY: usize = 30;
+
+/// A record's copy of its key: inline up to [`INLINE_KEY`] bytes, which covers most
+/// keys (`orders:order:12345678901234` is 27), so such a record costs no allocation
+/// of its own and a lookup or expiry touches no second cache line; longer keys on the
+/// heap. 32 bytes either way.
+enum KeyCopy {
+    Inline { len: u8, bytes: [u8; INLINE_KEY] },
+    Heap(Box<[u8]>),
+}
+
+impl KeyCopy {
+    fn new(key: &[u8]) -> KeyCopy {
+        if key.len() > INLINE_KEY {
+            return KeyCopy::Heap(key.into());
+        }
+        let mut bytes = [0; INLINE_KEY];
+        bytes[..key.len()].copy_from_slice(key);
+        KeyCopy::Inline { len: key.len() as u8, bytes }
+    }
+
+    fn as_bytes(&self) -> &[u8] {
+        match self {
+            KeyCopy::Inline { len, bytes } => &bytes[..*len as usize],
+            KeyCopy::Heap(bytes) => bytes,
+        }
+    }
 }
 
 /// The time slot of `at`.
@@ -242,13 +272,17 @@ impl MemoryStore {
         apply: impl FnOnce(&mut Record, Tick),
     ) -> Transition {
         let token = halves(token);
-        self.with_shard(key, |shard, hash, now| match shard.find(hash, key) {
-            Some(entry) if entry.record.expires_at > now && entry.record.holds(token) => {
-                apply(&mut entry.record, now);
-                shard.requeue(hash, key);
-                Transition::Applied
+        self.with_shard(key, |shard, hash, now| {
+            let Some(entry) = shard.find(hash, key) else { return Transition::LeaseLost };
+            let record = &mut entry.record;
+            if record.expires_at <= now || !record.holds(token) {
+                return Transition::LeaseLost;
             }
-            _ => Transition::LeaseLost,
+            apply(record, now);
+            if let Some(earlier) = record.requeue() {
+                shard.enqueue(earlier, hash);
+            }
+            Transition::Applied
         })
     }
 
@@ -292,7 +326,7 @@ impl MemoryStore {
                 // record can have, and a record has one entry in the queue at a time.
                 let check = slot(lease_until.min(later(now, ttl)).min(now + MAX_AHEAD));
                 let record = fresh(check);
-                let entry = Entry { hash, key: key.as_bytes().into(), record };
+                let entry = Entry { hash, key: KeyCopy::new(key.as_bytes()), record };
                 shard.records.insert_unique(hash, entry, |e| e.hash);
                 shard.enqueue(check, hash);
                 return Some(Claim::Won { token, attempt: 1 });
@@ -301,7 +335,9 @@ impl MemoryStore {
             if record.expires_at <= now {
                 // Expired, not yet dropped: a first claim again, in the same slot.
                 *record = fresh(record.queued);
-                shard.requeue(hash, key);
+                if let Some(earlier) = record.requeue() {
+                    shard.enqueue(earlier, hash);
+                }
                 return Some(Claim::Won { token, attempt: 1 });
             }
             if let (Some(held), Some(given)) = (&record.fingerprint, fingerprint) {
@@ -330,7 +366,7 @@ impl MemoryStore {
 
 impl Shard {
     fn find(&mut self, hash: u64, key: &Key) -> Option<&mut Entry> {
-        self.records.find_mut(hash, |e| e.hash == hash && *e.key == *key.as_bytes())
+        self.records.find_mut(hash, |e| e.hash == hash && e.key.as_bytes() == key.as_bytes())
     }
 
     fn enqueue(&mut self, slot: u64, hash: u64) {
@@ -387,21 +423,20 @@ impl Shard {
         let Some(hashes) = self.queue.remove(&current) else { return 0 };
         hashes.into_iter().map(|hash| self.look_at(hash, current, now)).sum()
     }
-
-    /// After a record's expiry moved: gives it an entry in an earlier slot when it now
-    /// expires before its live one (a later expiry is picked up when the live one is
-    /// due).
-    fn requeue(&mut self, hash: u64, key: &Key) {
-        let Some(entry) = self.find(hash, key) else { return };
-        let expires = slot(entry.record.expires_at);
-        if expires < entry.record.queued {
-            entry.record.queued = expires;
-            self.enqueue(expires, hash);
-        }
-    }
 }
 
 impl Record {
+    /// After the record's expiry moved: when it now expires before the slot of its
+    /// live queue entry, moves that to the expiry's slot and returns it, for the
+    /// caller to queue (a later expiry is picked up when the live entry is due).
+    fn requeue(&mut self) -> Option<u64> {
+        let expires = slot(self.expires_at);
+        (expires < self.queued).then(|| {
+            self.queued = expires;
+            expires
+        })
+    }
+
     fn holds(&self, token: [u64; 2]) -> bool {
         matches!(self.state, State::InProgress { token: t, .. } if t == token)
     }
@@ -621,6 +656,17 @@ mod tests {
         assert_eq!((store.len(), entries(&store)), (0, 0), "entries kept for a 100-year lease");
     }
 
+    #[test]
+    fn keys_are_kept_whole_inline_and_on_the_heap() {
+        assert_eq!(std::mem::size_of::<KeyCopy>(), 32);
+        let long: Vec<u8> = (0..=255u8).collect();
+        for len in [0, 1, 29, INLINE_KEY, INLINE_KEY + 1, 256] {
+            let copy = KeyCopy::new(&long[..len]);
+            assert_eq!(copy.as_bytes(), &long[..len]);
+            assert_eq!(matches!(copy, KeyCopy::Inline { .. }), len <= INLINE_KEY);
+        }
+    }
+
     /// Two keys whose hashes collide: each is found, expired and kept by its own
     /// fields, whichever of their queue entries comes first.
     #[test]
@@ -635,7 +681,7 @@ mod tests {
             fingerprint: None,
         };
         for (key, expires_at) in [(&b"ns:a"[..], second / 2), (&b"ns:b"[..], second * 3)] {
-            let entry = Entry { hash, key: key.into(), record: record(expires_at) };
+            let entry = Entry { hash, key: KeyCopy::new(key), record: record(expires_at) };
             shard.records.insert_unique(hash, entry, |e| e.hash);
             shard.enqueue(0, hash);
         }
@@ -712,7 +758,8 @@ mod tests {
                     let mut tokens: HashMap<u8, Token> = HashMap::new();
                     let mut now = 0u64;
                     let mut last_purge = 0u64;
-                    let key = |k: u8| Key::new("m", k.to_string()).unwrap();
+                    // Lengths 3, 16, 28 and 40: records keep keys inline and on the heap.
+                    let key = |k: u8| Key::new("m", format!("{}{k}", "x".repeat(k as usize * 12))).unwrap();
                     for op in ops {
                         let live = |m: &HashMap<u8, Rec>, k: u8, now: u64| m.get(&k).is_some_and(|r| r.expires > now);
                         let holds = |m: &HashMap<u8, Rec>, k: u8, now: u64, t: Option<&Token>| {
