@@ -237,3 +237,35 @@ fn a_runtime_without_timers_or_without_tokio_is_refused_before_the_claim() {
     let timers = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
     assert!(timers.block_on(timeless(order(1))).unwrap().is_processed(), "nothing was claimed");
 }
+
+/// The check is made once per thread: a thread that ran a runtime with a timer and
+/// then runs one without gets past it, and the body is stopped at its first await
+/// (where the renewal makes its timer), the claim given back.
+static LATER_RUNS: AtomicU32 = AtomicU32::new(0);
+
+#[idempotent(key = "order:{order_id}", store = TIMELESS_STORE)]
+async fn timeless_later(msg: OrderPlaced) -> Result<u64, PayError> {
+    LATER_RUNS.fetch_add(1, Ordering::SeqCst);
+    tokio::task::yield_now().await;
+    Ok(msg.order_id)
+}
+
+#[test]
+fn a_runtime_without_timers_met_after_one_with_them_stops_the_body_and_releases() {
+    std::thread::spawn(|| {
+        let timers = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+        assert!(timers.block_on(timeless_later(order(2))).unwrap().is_processed());
+        let runs = LATER_RUNS.load(Ordering::SeqCst);
+
+        let no_timer = tokio::runtime::Builder::new_current_thread().build().unwrap();
+        let err = no_timer.block_on(timeless_later(order(3))).unwrap_err();
+        assert!(err.to_string().contains("enable_time"), "{err}");
+        assert_eq!(LATER_RUNS.load(Ordering::SeqCst), runs + 1, "stopped at its first await");
+        // Released: the next delivery runs it again, as its second attempt.
+        let err = no_timer.block_on(timeless_later(order(3))).unwrap_err();
+        assert!(matches!(err, Error::Runtime { .. }), "{err:?}");
+        assert!(timers.block_on(timeless_later(order(3))).unwrap().is_processed(), "released");
+    })
+    .join()
+    .unwrap();
+}

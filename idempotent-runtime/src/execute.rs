@@ -379,8 +379,8 @@ where
     let Call { spec, key, fingerprint, cache } = call;
     let key = key.map_err(Error::Key)?;
     let claimed_at = tokio::time::Instant::now();
-    let first_renewal = renewal_timer(claimed_at + renewal_period(spec.lease))
-        .map_err(|reason| Error::Runtime { reason })?;
+    check_timer().map_err(|reason| Error::Runtime { reason })?;
+    let first_renewal = claimed_at + renewal_period(spec.lease);
     let answer = completion.claim(store, &key, &spec, fingerprint.as_ref()).await;
     let (token, attempt) = match answer {
         Ok(Claim::Won { token, attempt }) => (token, attempt),
@@ -437,12 +437,22 @@ where
         // Nothing to renew: the claim is the transaction's row lock.
         Ok(body.await)
     };
-    let Ok(finished) = run else {
-        // Another consumer owns the key now: the body was stopped rather than left to
-        // run beside it, and nothing of this attempt is recorded.
-        completion.discard(store, &key, &spec, fingerprint).await;
-        abandon.disarm();
-        return Err(Error::LeaseLost { attempt });
+    let finished = match run {
+        Ok(finished) => finished,
+        Err(Stopped::Lost) => {
+            // Another consumer owns the key now: the body was stopped rather than left
+            // to run beside it, and nothing of this attempt is recorded.
+            completion.discard(store, &key, &spec, fingerprint).await;
+            abandon.disarm();
+            return Err(Error::LeaseLost { attempt });
+        }
+        Err(Stopped::NoTimer) => {
+            // The body was stopped at its first await, as a crash would stop it.
+            completion.discard(store, &key, &spec, fingerprint).await;
+            let _ = claim.release().await;
+            abandon.disarm();
+            return Err(Error::Runtime { reason: NO_TIMER });
+        }
     };
 
     let result = match finished {
@@ -575,22 +585,44 @@ fn lost<T, E>(attempt: u32, what: String) -> Result<T, Error<E>> {
     Err(Error::LeaseLost { attempt })
 }
 
-/// The timer of the first lease renewal, made before the claim: without a Tokio
-/// runtime, or on one whose timer is disabled, making it panics, which would otherwise
-/// happen half-way through the body. Tokio offers no way to ask, so the panic is
-/// caught here; the timer is the one the renewal loop needs anyway, so the check
-/// costs nothing when the runtime is fine.
-fn renewal_timer(at: tokio::time::Instant) -> Result<tokio::time::Sleep, &'static str> {
-    catch_unwind(|| tokio::time::sleep_until(at)).map_err(|_| {
-        "there is no Tokio runtime with its timer enabled here, and lease renewal needs \
-         one: call handlers from within a Tokio runtime built with `enable_time()` or \
-         `enable_all()` (as `#[tokio::main]` does)"
-    })
+const NO_TIMER: &str = "there is no Tokio runtime with its timer enabled here, and lease \
+    renewal needs one: call handlers from within a Tokio runtime built with `enable_time()` \
+    or `enable_all()` (as `#[tokio::main]` does)";
+
+thread_local! {
+    /// Whether a renewal timer was made on this thread.
+    static TIMER_SEEN: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// Checks, before the claim, that lease renewal will be able to make its timer:
+/// without a Tokio runtime, or on one whose timer is disabled, making it panics, which
+/// would otherwise happen half-way through the body. Tokio offers no way to ask, so
+/// the check makes a timer and catches the panic, once per thread. A timer costs a
+/// lock of the runtime's timer driver when it is dropped, so the renewal makes its
+/// own only once the body has to wait (a body that finishes at its first poll needs
+/// none); if that one fails after all (a thread that ran a runtime with a timer and
+/// now runs one without), the body is stopped at that first await and the claim
+/// released.
+fn check_timer() -> Result<(), &'static str> {
+    if TIMER_SEEN.get() {
+        return Ok(());
+    }
+    catch_unwind(|| drop(tokio::time::sleep(std::time::Duration::ZERO))).map_err(|_| NO_TIMER)?;
+    TIMER_SEEN.set(true);
+    Ok(())
 }
 
 /// The claim is no longer this call's: its lease ran out and another consumer took the
 /// key, or the record is gone.
 struct Lost;
+
+/// Why the body was stopped before it finished.
+enum Stopped {
+    /// The claim was [`Lost`].
+    Lost,
+    /// The renewal could not make its timer.
+    NoTimer,
+}
 
 /// A claim this call won, and the transitions that end it.
 struct HeldClaim<'a, S: ?Sized> {
@@ -683,9 +715,9 @@ fn renewal_period(lease: Duration) -> Duration {
 /// crash would stop it, rather than left to run beside the key's new owner.
 async fn with_renewal<S, F>(
     claim: &HeldClaim<'_, S>,
-    timer: tokio::time::Sleep,
+    first: tokio::time::Instant,
     body: F,
-) -> Result<F::Output, Lost>
+) -> Result<F::Output, Stopped>
 where
     S: Store + ?Sized,
     F: Future,
@@ -699,7 +731,11 @@ where
     let period = renewal_period(lease);
     let pause = (lease / 30).max(std::time::Duration::from_millis(1));
     let renew = async {
-        // `timer` is already set for the first renewal, at `claimed_at + period`.
+        // Polled only once the body waits (the `select!` below polls the body first).
+        let Ok(timer) = catch_unwind(|| tokio::time::sleep_until(first)) else {
+            TIMER_SEEN.set(false);
+            return Stopped::NoTimer;
+        };
         let mut held_until = claim.claimed_at + lease;
         let mut next;
         tokio::pin!(timer);
@@ -720,7 +756,7 @@ where
                         "lease lost while the handler ran: another consumer owns the key; \
                          stopping the handler"
                     );
-                    return Lost;
+                    return Stopped::Lost;
                 }
                 Ok(Err(error)) => {
                     tracing::warn!(key = %claim.key, %error, "lease renewal failed; trying again");
@@ -737,7 +773,7 @@ where
     tokio::select! {
         biased;
         out = body => Ok(out),
-        lost = renew => Err(lost),
+        stopped = renew => Err(stopped),
     }
 }
 
