@@ -318,22 +318,20 @@ impl<S: Store + ?Sized> Completion<S> for StoreCompletion {
         spec: &Spec,
         result: Option<&[u8]>,
     ) -> Completed {
-        let deadline = tokio::time::Instant::now() + spec.lease / 2;
         let mut pause = Duration::from_millis(10);
-        let mut retry = false;
+        // Half the lease from the first failure (the clock is read only then).
+        let mut deadline = None;
         loop {
             // A retry ends by the deadline too: a store that is down may take its own
             // connection timeout to say so. (The first try takes what it takes.)
             let complete = store.complete(key, token, spec.ttl, result);
-            let answer = if retry {
-                match tokio::time::timeout_at(deadline, complete).await {
+            let answer = match deadline {
+                Some(deadline) => match tokio::time::timeout_at(deadline, complete).await {
                     Ok(answer) => answer,
                     Err(_) => Err(StoreError::unavailable("recording DONE timed out")),
-                }
-            } else {
-                complete.await
+                },
+                None => complete.await,
             };
-            retry = true;
             match answer {
                 Ok(Transition::Applied) => return Completed::Applied,
                 Ok(Transition::LeaseLost) => return Completed::LeaseLost,
@@ -341,7 +339,9 @@ impl<S: Store + ?Sized> Completion<S> for StoreCompletion {
                     return Completed::Failed { error, effects_kept: true };
                 }
                 Err(error) => {
-                    if tokio::time::Instant::now() + pause > deadline {
+                    let now = tokio::time::Instant::now();
+                    let deadline = *deadline.get_or_insert(now + spec.lease / 2);
+                    if now + pause > deadline {
                         return Completed::Failed { error, effects_kept: true };
                     }
                     tracing::warn!(key = %key, %error, "recording DONE failed; trying again");
