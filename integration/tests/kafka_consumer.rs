@@ -509,3 +509,55 @@ fn records_of_one_key_are_handled_in_offset_order() {
         assert!(in_flight.lock().unwrap().1 > 1, "the lanes ran side by side");
     });
 }
+
+/// CPU time this thread has used (user and system), from `/proc/thread-self/stat`.
+fn thread_cpu() -> Duration {
+    let stat = std::fs::read_to_string("/proc/thread-self/stat").unwrap();
+    // Fields after the command name (which may hold spaces): utime and stime are the
+    // 14th and 15th fields of the line, the 12th and 13th after `) `.
+    let rest = &stat[stat.rfind(')').unwrap() + 2..];
+    let ticks: u64 = rest.split(' ').skip(11).take(2).map(|t| t.parse::<u64>().unwrap()).sum();
+    Duration::from_millis(ticks * 10) // 100 ticks a second on Linux
+}
+
+/// `commit_interval(Duration::ZERO)` commits every record as it is settled, and a
+/// consumer with nothing to read sleeps (it used to wake every millisecond, 4% of a
+/// core, to commit nothing).
+#[test]
+fn a_zero_commit_interval_commits_each_record_and_sleeps_while_idle() {
+    let Some(broker) = Broker::start() else { return };
+    block_on(async {
+        let topic = testing::fresh_key("kafka-zero").namespace().to_owned();
+        broker.create_topics(&[(&topic, 1), (&format!("{topic}.dead"), 1)]).await;
+        let producer: FutureProducer = broker.config().create().unwrap();
+        for i in 0..5 {
+            produce(&producer, &topic, 0, &i.to_string()).await;
+        }
+        let consumer =
+            KafkaConsumer::new(broker.member("g", &topic), producer, format!("{topic}.dead"))
+                .commit_interval(Duration::ZERO);
+        let handled = std::sync::atomic::AtomicUsize::new(0);
+        let run = consumer.run(|_| {
+            handled.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            async { ok() }
+        });
+        let check = async {
+            while handled.load(std::sync::atomic::Ordering::SeqCst) < 5 {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            // Idle: nothing more to read.
+            let (cpu, wall) = (thread_cpu(), Instant::now());
+            tokio::time::sleep(Duration::from_millis(1500)).await;
+            let (cpu, wall) = (thread_cpu() - cpu, wall.elapsed());
+            assert!(cpu <= Duration::from_millis(20), "{cpu:?} of CPU in {wall:?} of waiting");
+            let committed = consumer.consumer().committed(Duration::from_secs(5)).unwrap();
+            let offsets: Vec<_> = committed.elements().iter().map(|e| e.offset()).collect();
+            assert_eq!(offsets, [rdkafka::Offset::Offset(5)]);
+        };
+        tokio::select! {
+            () = check => {}
+            ended = run => panic!("run ended: {ended:?}"),
+            () = tokio::time::sleep(Duration::from_secs(30)) => panic!("not every record was handled"),
+        }
+    });
+}

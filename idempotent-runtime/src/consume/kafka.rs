@@ -338,7 +338,8 @@ impl KafkaConsumer {
     /// How often [`run`](KafkaConsumer::run) commits the offsets its settled records
     /// reached, in one commit for all partitions; default 100 ms. A crash loses at
     /// most this much of commits, which means redeliveries the store answers as
-    /// duplicates. [`next`](KafkaConsumer::next) commits after each record.
+    /// duplicates. `Duration::ZERO` commits after each record, as
+    /// [`next`](KafkaConsumer::next) does.
     pub fn commit_interval(mut self, interval: Duration) -> Self {
         self.commit_interval = interval;
         self
@@ -387,17 +388,23 @@ impl KafkaConsumer {
         R: DispositionExt,
     {
         let _flush_at_exit = FlushOnDrop(self);
-        let deliveries = futures_util::stream::unfold((), |()| async {
+        // One timer for the whole run (each timer made and dropped takes a lock of
+        // Tokio's timer driver), for commits while no record is settled. With a zero
+        // interval every settle commits, so there is nothing for it to do.
+        let interval = self.commit_interval;
+        let timer = Box::pin(tokio::time::sleep(interval));
+        let deliveries = futures_util::stream::unfold(timer, move |mut timer| async move {
             loop {
                 tokio::select! {
                     received = self.receive() => match received {
-                        Ok(Some(held)) => return Some((Ok(held), ())),
+                        Ok(Some(held)) => return Some((Ok(held), timer)),
                         Ok(None) => {}
-                        Err(error) => return Some((Err(error), ())),
+                        Err(error) => return Some((Err(error), timer)),
                     },
-                    () = tokio::time::sleep(self.commit_interval) => {
+                    () = timer.as_mut(), if !interval.is_zero() => {
+                        timer.as_mut().reset(Instant::now() + interval);
                         if let Err(error) = self.flush() {
-                            return Some((Err(error), ()));
+                            return Some((Err(error), timer));
                         }
                     }
                 }
