@@ -269,3 +269,36 @@ fn a_runtime_without_timers_met_after_one_with_them_stops_the_body_and_releases(
     .join()
     .unwrap();
 }
+
+/// What a state-machine guard answers when the order is paid already.
+#[derive(Debug, thiserror::Error, Classify)]
+enum GuardError {
+    #[error("order {0} is paid already")]
+    #[idempotent(duplicate)]
+    AlreadyPaid(u64),
+    #[error("order {0} was cancelled")]
+    #[idempotent(terminal)]
+    Cancelled(u64),
+}
+
+static GUARD_RUNS: AtomicU32 = AtomicU32::new(0);
+
+#[idempotent(key = "order:{order_id}", store = store)]
+async fn pay_guarded(msg: OrderPlaced, store: &MemoryStore, paid: bool) -> Result<u64, GuardError> {
+    GUARD_RUNS.fetch_add(1, Ordering::SeqCst);
+    if paid { Err(GuardError::AlreadyPaid(msg.order_id)) } else { Ok(msg.order_id) }
+}
+
+/// An error marked `#[idempotent(duplicate)]` is an answer, not a failure: the call
+/// is `Ok(Duplicate)` (ack), the key DONE, and the handler does not run again.
+#[tokio::test]
+async fn an_effect_found_already_applied_is_a_duplicate_and_done() {
+    assert_eq!(GuardError::AlreadyPaid(1).class(), idempotent::ErrorClass::Duplicate);
+    assert_eq!(GuardError::Cancelled(1).class(), idempotent::ErrorClass::Terminal);
+    let store = MemoryStore::new();
+    let out = pay_guarded(order(7), &store, true).await;
+    assert_eq!(idempotent::DispositionExt::disposition(&out), idempotent::Disposition::Ack);
+    assert_eq!(out.unwrap(), Outcome::Duplicate);
+    assert_eq!(pay_guarded(order(7), &store, false).await.unwrap(), Outcome::Duplicate);
+    assert_eq!(GUARD_RUNS.load(Ordering::SeqCst), 1, "DONE: not run again");
+}

@@ -1,4 +1,4 @@
-//! `#[derive(Classify)]`: maps `#[idempotent(retryable | terminal | transparent)]`
+//! `#[derive(Classify)]`: maps `#[idempotent(retryable | terminal | duplicate | transparent)]`
 //! marks on an enum's variants (or a struct) to `Classify::class`.
 
 use proc_macro2::{Span, TokenStream};
@@ -12,6 +12,8 @@ use crate::args::Errors;
 enum Mark {
     Retryable,
     Terminal,
+    /// The effect was already applied.
+    Duplicate,
     /// Delegates to the single field's own `Classify`.
     Transparent,
 }
@@ -80,6 +82,7 @@ fn expand(input: &DeriveInput) -> syn::Result<TokenStream> {
     let mut class = |mark: &Mark, fields: &Fields, span: Span, errors: &mut Errors| match mark {
         Mark::Retryable => quote!(#krate::ErrorClass::Retryable),
         Mark::Terminal => quote!(#krate::ErrorClass::Terminal),
+        Mark::Duplicate => quote!(#krate::ErrorClass::Duplicate),
         Mark::Transparent => {
             if fields.len() != 1 {
                 errors.at(
@@ -147,8 +150,9 @@ fn expand(input: &DeriveInput) -> syn::Result<TokenStream> {
             None => {
                 errors.at(
                     input.ident.span(),
-                    "mark the struct #[idempotent(retryable)], #[idempotent(terminal)] or \
-                     #[idempotent(transparent)] to say how its errors are classified",
+                    "mark the struct #[idempotent(retryable)], #[idempotent(terminal)], \
+                     #[idempotent(duplicate)] or #[idempotent(transparent)] to say how its \
+                     errors are classified",
                 );
                 quote!(::core::unreachable!())
             }
@@ -172,6 +176,8 @@ fn marks(attrs: &[Attribute], top: bool, errors: &mut Errors) -> Marks {
                 Mark::Retryable
             } else if meta.path.is_ident("terminal") {
                 Mark::Terminal
+            } else if meta.path.is_ident("duplicate") {
+                Mark::Duplicate
             } else if meta.path.is_ident("transparent") {
                 Mark::Transparent
             } else if top && meta.path.is_ident("crate") {
@@ -181,13 +187,13 @@ fn marks(attrs: &[Attribute], top: bool, errors: &mut Errors) -> Marks {
             } else {
                 errors.at(
                     span,
-                    "unknown mark: expected #[idempotent(retryable)], #[idempotent(terminal)] \
-                     or #[idempotent(transparent)]",
+                    "unknown mark: expected #[idempotent(retryable)], #[idempotent(terminal)], \
+                     #[idempotent(duplicate)] or #[idempotent(transparent)]",
                 );
                 return Ok(());
             };
             if marks.mark.is_some() {
-                errors.at(span, "give one class: retryable, terminal or transparent");
+                errors.at(span, "give one class: retryable, terminal, duplicate or transparent");
             } else {
                 marks.mark = Some((span, mark));
             }

@@ -3,8 +3,10 @@
 use std::convert::Infallible;
 use std::io;
 
-/// Whether a failed message should be tried again.
+/// What a handler's error means for its message: worth another delivery, never
+/// worth one, or not a failure at all.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
 pub enum ErrorClass {
     /// A passing condition (timeout, lost connection, lock contention): the key is
     /// released and the broker should redeliver, up to `max_attempts`.
@@ -12,24 +14,32 @@ pub enum ErrorClass {
     /// Trying again cannot help (invalid data, insufficient funds): the key is kept
     /// as FAILED for the dedupe window, an alert is sent, the message is dead-lettered.
     Terminal,
+    /// The handler found its effect already applied (a state-machine guard saw the
+    /// target state, a unique constraint refused the second insert): the key is
+    /// recorded DONE, the call answers `Ok(Outcome::Duplicate)`, the message is acked,
+    /// and no alert is sent. In a `transactional` handler, the transaction's writes are
+    /// rolled back, as for any error, and DONE is recorded on its own.
+    Duplicate,
 }
 
 /// Classifies a handler's error type.
 ///
 /// Derive it on an error enum with `#[derive(Classify)]` and mark variants
-/// `#[idempotent(retryable)]` or `#[idempotent(terminal)]` (a mark on the enum
-/// itself is the default for unmarked variants), or implement it by hand:
+/// `#[idempotent(retryable)]`, `#[idempotent(terminal)]` or `#[idempotent(duplicate)]`
+/// (a mark on the enum itself is the default for unmarked variants), or implement it
+/// by hand:
 ///
 /// ```
 /// use idempotent_runtime::{Classify, ErrorClass};
 ///
-/// enum ChargeError { Timeout, Declined }
+/// enum ChargeError { Timeout, Declined, AlreadyCharged }
 ///
 /// impl Classify for ChargeError {
 ///     fn class(&self) -> ErrorClass {
 ///         match self {
 ///             ChargeError::Timeout => ErrorClass::Retryable,
 ///             ChargeError::Declined => ErrorClass::Terminal,
+///             ChargeError::AlreadyCharged => ErrorClass::Duplicate,
 ///         }
 ///     }
 /// }

@@ -480,8 +480,11 @@ where
             let discarded = completion.discard(store, &key, &spec, fingerprint).await;
             // User code (classify, Display, the hook) runs outside the body's
             // catch_unwind: a panic in it must not leave the claim dangling.
-            let class = catch_unwind(AssertUnwindSafe(|| classify(&error)));
-            let retryable = class.is_err() || class.is_ok_and(|c| c == ErrorClass::Retryable);
+            // A panicking `classify` counts as retryable.
+            let class = catch_unwind(AssertUnwindSafe(|| classify(&error)))
+                .unwrap_or(ErrorClass::Retryable);
+            let retryable = class == ErrorClass::Retryable;
+            let duplicate = class == ErrorClass::Duplicate;
             let message = || {
                 catch_unwind(AssertUnwindSafe(|| error.to_string()))
                     .unwrap_or_else(|_| "(the error's Display implementation panicked)".to_owned())
@@ -496,6 +499,17 @@ where
             };
             if let Err(Lost) = ended {
                 lost(attempt, message())
+            } else if duplicate {
+                // Not a failure: the effect is there already, so the key is done.
+                tracing::debug!(key = %key, error = %message(), "the handler found its effect already applied");
+                match claim.complete().await {
+                    Ok(Ok(())) => Ok(Outcome::Duplicate),
+                    Ok(Err(error)) => {
+                        let _ = claim.release().await;
+                        Err(Error::Store { error, handler_ran: true })
+                    }
+                    Err(Lost) => lost(attempt, message()),
+                }
             } else if retryable && attempt < spec.max_attempts {
                 match claim.release().await {
                     Ok(()) => Err(Error::Retryable { error, attempt }),
@@ -649,6 +663,17 @@ impl<S: Store + ?Sized> HeldClaim<'_, S> {
                 tracing::warn!(key = %self.key, %error, "release failed; the lease will run out");
                 Ok(())
             }
+        }
+    }
+
+    /// Marks the claim DONE, with no result: for a handler that found its effect
+    /// already applied, and so has no effects of its own to keep. Returns `Err(Lost)`
+    /// when the claim was no longer ours, `Ok(Err(_))` when the store failed.
+    async fn complete(&self) -> Result<Result<(), StoreError>, Lost> {
+        match self.store.complete(self.key, self.token, self.spec.ttl, None).await {
+            Ok(Transition::Applied) => Ok(Ok(())),
+            Ok(Transition::LeaseLost) => Err(Lost),
+            Err(error) => Ok(Err(error)),
         }
     }
 

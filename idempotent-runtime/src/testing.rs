@@ -188,6 +188,21 @@ pub async fn terminal_error_fails<S: Store + ?Sized>(store: &S) {
     assert_eq!(runs.load(Ordering::SeqCst), 1);
 }
 
+/// A handler that finds its effect already applied (`ErrorClass::Duplicate`): the key
+/// is DONE, the call answers `Duplicate` (ack), no alert; later deliveries are not run.
+pub async fn already_applied_is_done<S: Store + ?Sized>(store: &S) {
+    let (key, runs, alerts) = (fresh_key("applied"), AtomicU32::new(0), Alerts::default());
+    let out = call(store, &key, spec(5), &runs, &alerts, Err(Failure(ErrorClass::Duplicate)));
+    let out = out.await;
+    assert_eq!(crate::DispositionExt::disposition(&out), crate::Disposition::Ack);
+    assert_eq!(out.unwrap(), Outcome::Duplicate);
+    assert_eq!(claim_state(store, &key).await, Claim::Done, "record must be DONE");
+    let again = call(store, &key, spec(5), &runs, &alerts, Ok(1)).await;
+    assert_eq!(again.unwrap(), Outcome::Duplicate);
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+    assert!(alerts.events().await.is_empty(), "no alert for an effect already applied");
+}
+
 /// A panicking handler: `Panicked`, key released, panic does not escape.
 pub async fn panic_releases<S: Store + ?Sized>(store: &S) {
     let key = fresh_key("panic");
@@ -753,6 +768,7 @@ pub const CASES: &[&str] = &[
     "retryable_error_releases",
     "retryable_error_on_last_attempt",
     "terminal_error_fails",
+    "already_applied_is_done",
     "panic_releases",
     "dropped_future_releases",
     "dead_consumer_claim_expires",
@@ -784,7 +800,7 @@ macro_rules! store_suite {
         $crate::store_suite!(@cases $make;
             first_delivery_success, duplicate_within_ttl, in_progress_elsewhere,
             retryable_error_releases, retryable_error_on_last_attempt, terminal_error_fails,
-            panic_releases, dropped_future_releases, dead_consumer_claim_expires,
+            already_applied_is_done, panic_releases, dropped_future_releases, dead_consumer_claim_expires,
             unfinished_attempts_are_capped, store_unreachable_at_claim,
             store_fails_after_handler, ttl_expiry_forgets, expired_lease_is_fenced,
             late_completion_gets_lease_lost, lost_lease_stops_the_body,

@@ -37,6 +37,9 @@ enum DebitError {
     #[error("account closed")]
     #[idempotent(terminal)]
     Refused,
+    #[error("debited already")]
+    #[idempotent(duplicate)]
+    AlreadyApplied,
 }
 
 /// What the handler does after its business write.
@@ -45,6 +48,8 @@ enum Fault {
     None,
     Retryable,
     Terminal,
+    /// The handler's guard finds the debit made already.
+    AlreadyApplied,
     Panic,
     /// Signals `reached`, then never finishes: the caller drops the call.
     Hang,
@@ -175,6 +180,7 @@ async fn debit(
         Fault::None => {}
         Fault::Retryable => return Err(DebitError::Flaky),
         Fault::Terminal => return Err(DebitError::Refused),
+        Fault::AlreadyApplied => return Err(DebitError::AlreadyApplied),
         Fault::Panic => panic!("the ledger panicked"),
         Fault::Hang => {
             bank.reached.notify_one();
@@ -282,6 +288,28 @@ async fn a_terminal_error_rolls_back_and_records_failed_with(claim: Transactiona
     let err = debit(&msg, &bank).await.unwrap_err();
     assert!(matches!(err, Error::PreviouslyFailed { attempts: 1 }), "{err:?}");
     assert_eq!(bank.rows(3).await, 0);
+    bank.drop_tables().await;
+}
+
+#[tokio::test]
+async fn an_effect_found_applied_rolls_back_and_records_done() {
+    an_effect_found_applied_rolls_back_and_records_done_with(TransactionalClaim::Committed).await;
+}
+
+#[tokio::test]
+async fn an_effect_found_applied_rolls_back_and_records_done_claimed_in_the_transaction() {
+    an_effect_found_applied_rolls_back_and_records_done_with(TransactionalClaim::InTransaction)
+        .await;
+}
+
+async fn an_effect_found_applied_rolls_back_and_records_done_with(claim: TransactionalClaim) {
+    let Some(bank) = Bank::open_with(5, claim).await else { return };
+    let msg = debit_of(4);
+    bank.script(&[Fault::AlreadyApplied]);
+    assert_eq!(debit(&msg, &bank).await.unwrap(), Outcome::Duplicate);
+    assert_eq!((bank.rows(4).await, bank.state(4).await.as_deref()), (0, Some("D")));
+    assert_eq!(debit(&msg, &bank).await.unwrap(), Outcome::Duplicate);
+    assert_eq!(bank.rows(4).await, 0);
     bank.drop_tables().await;
 }
 
