@@ -114,6 +114,7 @@
 //! | [`MemoryStore`] | (none) | tests, the quickstart, a single consumer process whose duplicates all reach it |
 //! | `RedisStore` | `redis` (`redis-tls` for `rediss://`) | consumers on several machines; standalone Redis or Redis Cluster; a claim is one `SET NX GET` (plus a script when it finds another claim in progress), the other transitions one atomic script each |
 //! | `PostgresStore` | `postgres` | records beside the business data: with `transactional`, the handler's writes and DONE commit in one transaction (an exactly-once effect) |
+//! | `MysqlStore` | `mysql` | the same on MySQL 8 or MariaDB 10.6+; a claim is one `INSERT ... ON DUPLICATE KEY UPDATE` |
 //! | your own | (none) | implement [`Store`] and run the behaviour suite (`store_suite!`, feature `testing`) |
 //!
 //! Name the store per handler with `store = expr` (any expression, which may use the
@@ -234,7 +235,7 @@
 //!
 //! The crate without features needs Rust 1.85. The integrations follow the current
 //! major of the client you bring (so that you can hand over your own pool, channel or
-//! client), and need what that client needs: `postgres` (sqlx 0.9) Rust 1.94, `nats`
+//! client), and need what that client needs: `postgres` and `mysql` (sqlx 0.9) Rust 1.94, `nats`
 //! (async-nats 0.51) 1.89, `rabbitmq` (lapin 4) 1.88; `redis` and `redis-streams`
 //! (redis 1.x) work from 1.85, where Cargo's MSRV-aware resolver picks a `redis` 1.x
 //! that builds there; `kafka` (rdkafka 0.39, bundled librdkafka) needs a C compiler.
@@ -296,6 +297,10 @@ pub use idempotent_runtime::{RedisStore, redis_store};
 #[cfg(feature = "postgres")]
 #[cfg_attr(docsrs, doc(cfg(feature = "postgres")))]
 pub use idempotent_runtime::{PostgresStore, postgres_store};
+
+#[cfg(feature = "mysql")]
+#[cfg_attr(docsrs, doc(cfg(feature = "mysql")))]
+pub use idempotent_runtime::{MysqlStore, mysql_store};
 
 #[cfg(any(
     feature = "redis-streams",

@@ -51,6 +51,9 @@ pub use key::{Key, KeyBuilder, MAX_KEY_LEN, MAX_STORED_ID_LEN};
 pub use outcome::{Disposition, DispositionExt, Outcome};
 pub use payload::{Document, Fingerprint, Payload, PayloadRef, Unusable};
 pub use store::memory::MemoryStore;
+#[cfg(feature = "mysql")]
+#[cfg_attr(docsrs, doc(cfg(feature = "mysql")))]
+pub use store::mysql::{self as mysql_store, MysqlStore};
 #[cfg(feature = "postgres")]
 #[cfg_attr(docsrs, doc(cfg(feature = "postgres")))]
 pub use store::postgres::{self as postgres_store, PostgresStore};

@@ -3,6 +3,7 @@
 //! * [`memory`]: [`MemoryStore`](memory::MemoryStore), in process.
 //! * `redis` (feature `redis`): `RedisStore`, standalone and Cluster.
 //! * `postgres` (feature `postgres`): `PostgresStore`.
+//! * `mysql` (feature `mysql`): `MysqlStore`, for MySQL 8 and MariaDB 10.6+.
 //!
 //! The SQL stores share their table handling, purge schedule and error
 //! classification (`sql`).
@@ -16,13 +17,16 @@ use async_trait::async_trait;
 use crate::{Fingerprint, Key, StoreError};
 
 pub mod memory;
+#[cfg(feature = "mysql")]
+#[cfg_attr(docsrs, doc(cfg(feature = "mysql")))]
+pub mod mysql;
 #[cfg(feature = "postgres")]
 #[cfg_attr(docsrs, doc(cfg(feature = "postgres")))]
 pub mod postgres;
 #[cfg(feature = "redis")]
 #[cfg_attr(docsrs, doc(cfg(feature = "redis")))]
 pub mod redis;
-#[cfg(feature = "postgres")]
+#[cfg(any(feature = "postgres", feature = "mysql"))]
 mod sql;
 
 /// Identifies one claim on a key. Every transition after the claim carries it, and a
@@ -200,7 +204,7 @@ pub fn claim_retention(lease: Duration, ttl: Duration) -> Duration {
 
 /// `Store::abandon` for server-backed stores: starts the release on the current Tokio
 /// runtime and returns at once; without a runtime, the lease runs out instead.
-#[cfg(any(feature = "redis", feature = "postgres"))]
+#[cfg(any(feature = "redis", feature = "postgres", feature = "mysql"))]
 pub(crate) fn release_in_background<S: Store + Clone + 'static>(
     store: &S,
     key: &Key,

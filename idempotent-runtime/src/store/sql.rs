@@ -59,26 +59,54 @@ where
 }
 
 /// A database error as a store error: one that retrying the same statement can't fix
-/// (the record can't be stored: program limits, class 54; bad data, class 22) is
+/// (the record can't be stored: PostgreSQL's program limits, class 54; bad data, class
+/// 22 on both databases; a row or value too large for MySQL) is
 /// [`StoreError::Rejected`], so the message is dead-lettered instead of retried for
 /// ever; anything else is [`StoreError::Unavailable`].
 pub(crate) fn store_error(error: sqlx::Error) -> StoreError {
     if let sqlx::Error::Database(db) = &error {
         let code = db.code();
-        if code.as_deref().is_some_and(|c| c.starts_with("54") || c.starts_with("22")) {
+        let class = |c: &str| code.as_deref().is_some_and(|code| code.starts_with(c));
+        // Data too long, row size too large, out of range, incorrect value.
+        let mysql_data = mysql_number(&**db).is_some_and(|n| [1406, 1118, 1264, 1366].contains(&n));
+        if class("54") || class("22") || mysql_data {
             return StoreError::Rejected(Box::new(error));
         }
     }
     StoreError::unavailable(error)
 }
 
-/// Whether the statement gave up waiting for a row lock (SQLSTATE 55P03).
+/// Whether the statement gave up waiting for a row lock (PostgreSQL's SQLSTATE 55P03,
+/// MySQL's error 1205).
 pub(crate) fn is_lock_timeout(error: &sqlx::Error) -> bool {
-    matches!(error, sqlx::Error::Database(db) if db.code().as_deref() == Some("55P03"))
+    matches!(error, sqlx::Error::Database(db)
+        if db.code().as_deref() == Some("55P03") || mysql_number(&**db) == Some(1205))
 }
 
+/// MySQL's (or MariaDB's) own error number, which says more than its SQLSTATE: many
+/// errors, lock wait timeouts among them, share the catch-all `HY000`.
+#[cfg(feature = "mysql")]
+fn mysql_number(db: &dyn sqlx::error::DatabaseError) -> Option<u16> {
+    db.try_downcast_ref::<sqlx::mysql::MySqlDatabaseError>().map(|e| e.number())
+}
+
+#[cfg(not(feature = "mysql"))]
+fn mysql_number(_: &dyn sqlx::error::DatabaseError) -> Option<u16> {
+    None
+}
+
+/// MySQL and MariaDB errors, by number, that a retry can get past although their
+/// SQLSTATE does not say so: lock wait timeout (1205), deadlock (1213), too many
+/// connections (1040, 1203), server shutting down (1053), statement interrupted or
+/// timed out (1317, 1969, 3024), connection killed (1927) or closed for inactivity
+/// (4031), and a server that is read-only for now, as during a failover (1290, 1792,
+/// 1836).
+const MYSQL_RETRYABLE: [u16; 13] =
+    [1205, 1213, 1040, 1203, 1053, 1317, 1969, 3024, 1927, 4031, 1290, 1792, 1836];
+
 /// A duration in whole milliseconds for SQL parameters: at least 1, at most
-/// `Spec::MAX_DURATION` (a PostgreSQL interval ends at about 178 million years).
+/// `Spec::MAX_DURATION` (100 years: a PostgreSQL interval ends at about 178 million
+/// years, and a MySQL `DATETIME` at the end of year 9999).
 pub(crate) fn millis(d: Duration) -> i64 {
     let capped = d.min(crate::execute::Spec::MAX_DURATION);
     i64::try_from(capped.as_millis()).unwrap_or(i64::MAX).max(1)
@@ -86,9 +114,11 @@ pub(crate) fn millis(d: Duration) -> i64 {
 
 /// Database errors by SQLSTATE class: serialization failures and deadlocks (40),
 /// lost connections (08), exhausted resources (53), operator intervention such as
-/// a terminated backend (57) and lock timeouts (55P03) retry; constraint
-/// violations (23), bad data (22) and the rest are terminal. Connection, pool and
-/// I/O errors retry; decoding and "row not found" errors are terminal.
+/// a terminated backend (57), interrupted statements (70, MySQL's `KILL QUERY` and
+/// statement timeouts) and lock timeouts (55P03) retry, as do the MySQL errors listed
+/// by number in `MYSQL_RETRYABLE` whose SQLSTATE is the catch-all `HY000`; constraint
+/// violations (23), bad data (22) and the rest are terminal. Connection, pool and I/O
+/// errors retry; decoding and "row not found" errors are terminal.
 impl crate::Classify for sqlx::Error {
     fn class(&self) -> crate::ErrorClass {
         use crate::ErrorClass::{Retryable, Terminal};
@@ -97,8 +127,9 @@ impl crate::Classify for sqlx::Error {
                 let code = e.code();
                 let code = code.as_deref().unwrap_or("");
                 let retryable =
-                    ["40", "08", "53", "57"].iter().any(|class| code.starts_with(class))
-                        || code == "55P03";
+                    ["40", "08", "53", "57", "70"].iter().any(|class| code.starts_with(class))
+                        || code == "55P03"
+                        || mysql_number(&**e).is_some_and(|n| MYSQL_RETRYABLE.contains(&n));
                 if retryable { Retryable } else { Terminal }
             }
             sqlx::Error::Io(_)

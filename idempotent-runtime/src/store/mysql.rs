@@ -1,0 +1,613 @@
+//! `MysqlStore`: records in a MySQL 8 or MariaDB 10.6+ table.
+
+use std::sync::{Arc, OnceLock};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use sqlx::mysql::{MySqlConnection, MySqlExecutor, MySqlPool, MySqlPoolOptions};
+use sqlx::{AssertSqlSafe, SqlSafeStr, SqlStr};
+
+use super::sql::{self, PurgeSchedule, millis};
+use crate::{Claim, Fingerprint, Key, Store, StoreError, Token, Transition};
+
+pub use super::sql::{DEFAULT_TABLE, PURGE_BATCH, PURGE_EVERY_CLAIMS};
+
+/// Records in MySQL 8 or MariaDB 10.6+ (InnoDB), through an `sqlx` pool.
+///
+/// A record is one row keyed by `namespace:id` (`VARBINARY`, compared byte for byte)
+/// holding state, attempts, claim token, lease deadline, expiry, fingerprint and
+/// cached result. Times are the database's clock in UTC (`UTC_TIMESTAMP(6)`, read
+/// once per statement and independent of the session's `time_zone`), so consumers'
+/// clocks need not agree. Ids over [`MAX_STORED_ID_LEN`](crate::MAX_STORED_ID_LEN)
+/// bytes are stored under their SHA-256 ([`Key::stored`]), so a key of any length fits
+/// the primary key (InnoDB indexes at most 3072 bytes; a namespace is the program's
+/// own and short).
+///
+/// Round trips per transition:
+///
+/// * **Claim: one**, an `INSERT ... ON DUPLICATE KEY UPDATE` whose assignments take
+///   the record over only if it expired, was released, or is in progress with a
+///   lapsed lease (and its fingerprint agrees). The answer comes back in the same
+///   reply, without a result set: the first assignment passes its verdict (won, done,
+///   failed, in progress, mismatch, with the attempt count) through
+///   `LAST_INSERT_ID(expr)`, which the server returns in its OK packet, and a fresh
+///   insert reports 0 there. Neither server can return rows from this statement
+///   portably: MySQL 8 has no `RETURNING`, and MariaDB's (10.5+; 10.11 accepts it
+///   with `ON DUPLICATE KEY UPDATE`) is MariaDB's alone. A duplicate whose DONE
+///   record holds a cached result (`cache = true`) costs a second round trip to read
+///   the result.
+/// * Complete, release, fail and renew: one `UPDATE ... WHERE key = ? AND state = 'P'
+///   AND token = ?` each: a consumer whose lease was taken over changes nothing.
+/// * In `transactional` mode: the claim, then `SET TRANSACTION ISOLATION LEVEL READ
+///   COMMITTED; BEGIN` in one round trip, the handler's statements, the DONE update
+///   and `COMMIT`.
+///
+/// Isolation: the store's own statements are single locking statements (`INSERT ...
+/// ON DUPLICATE KEY UPDATE`, `UPDATE`, `DELETE`) run in autocommit mode, so they read
+/// the latest committed record whatever the session's isolation level; the one plain
+/// read (a cached result) is a statement of its own too. The connections must be in
+/// autocommit mode (sqlx's default). A `transactional` handler's transaction is
+/// begun at READ COMMITTED whatever the server's default (REPEATABLE READ on both):
+/// see [`crate::transactional`].
+///
+/// * Every statement waits at most [`LOCK_TIMEOUT`] for a locked record row on
+///   MariaDB (`SET STATEMENT innodb_lock_wait_timeout = 2 FOR`, inside a
+///   `/*M! ... */` comment that only MariaDB executes); a claim that gives up answers
+///   [`Claim::InProgress`] instead of blocking. MySQL 8 can't set that per
+///   statement: there the session's `innodb_lock_wait_timeout` applies (50 s unless
+///   the pool's connections set less).
+/// * A claim that hits a deadlock (concurrent claims on neighbouring keys can, through
+///   InnoDB's gap locks) is tried again; the statement was rolled back whole.
+/// * Lease renewals run on [`RENEWAL_CONNECTIONS`] connections of their own, opened
+///   with the pool's options on first use, so they never wait behind the handlers'
+///   transactions.
+/// * Errors that retrying can't fix (a value the database refuses) are
+///   [`StoreError::Rejected`]: the message is dead-lettered, not retried for ever.
+/// * Expired rows are deleted in the background, [`PURGE_BATCH`] at a time, every
+///   [`PURGE_EVERY_CLAIMS`] claims; or run [`purge_expired`](MysqlStore::purge_expired)
+///   from a scheduler.
+///
+/// Create the table with [`migrate`](MysqlStore::migrate) (`CREATE TABLE IF NOT
+/// EXISTS`, safe to run from several processes at once) or apply
+/// [`migration_sql`](MysqlStore::migration_sql) with your own migration tool.
+///
+/// ```no_run
+/// # async fn demo() -> Result<(), Box<dyn std::error::Error>> {
+/// use idempotent_runtime::MysqlStore;
+///
+/// let store = MysqlStore::connect("mysql://root@127.0.0.1:3306/app").await?;
+/// store.migrate().await?;
+///
+/// // Or on a pool of your own, in a table of your choice:
+/// let pool = sqlx::mysql::MySqlPoolOptions::new()
+///     .max_connections(20)
+///     .connect("mysql://root@127.0.0.1:3306/app")
+///     .await?;
+/// let store = MysqlStore::from_pool(pool).with_table("billing.idempotency")?;
+/// println!("{}", store.migration_sql());
+/// # Ok(()) }
+/// ```
+#[derive(Clone)]
+pub struct MysqlStore {
+    pool: MySqlPool,
+    /// Lease renewals' own connections, opened on first use with the pool's options.
+    renewals: Arc<OnceLock<MySqlPool>>,
+    sql: Arc<Sql>,
+    purge: Arc<PurgeSchedule>,
+}
+
+/// How many connections lease renewals keep, beside the pool.
+pub const RENEWAL_CONNECTIONS: u32 = 2;
+
+/// How long one of the store's statements waits for a locked record row on MariaDB
+/// before giving up (a row stays locked while a `transactional` handler commits its
+/// DONE update, or until the server notices that consumer died). A claim that gives up
+/// answers [`Claim::InProgress`]. On MySQL 8 the session's `innodb_lock_wait_timeout`
+/// applies instead.
+pub const LOCK_TIMEOUT: Duration = Duration::from_secs(2);
+
+impl std::fmt::Debug for MysqlStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("MysqlStore").field("table", &self.sql.table).finish()
+    }
+}
+
+impl MysqlStore {
+    /// Connects a pool of up to 10 connections to `url`
+    /// (`mysql://user:password@host:port/database`).
+    pub async fn connect(url: &str) -> Result<MysqlStore, StoreError> {
+        let pool = MySqlPoolOptions::new()
+            .max_connections(10)
+            .acquire_timeout(Duration::from_secs(5))
+            .connect(url)
+            .await
+            .map_err(StoreError::unavailable)?;
+        Ok(MysqlStore::from_pool(pool))
+    }
+
+    /// Uses a pool configured by the caller. Its connections must be in autocommit
+    /// mode (sqlx's default).
+    pub fn from_pool(pool: MySqlPool) -> MysqlStore {
+        MysqlStore {
+            pool,
+            renewals: Arc::default(),
+            sql: Arc::new(Sql::new(DEFAULT_TABLE)),
+            purge: Arc::default(),
+        }
+    }
+
+    /// Keeps records in `table` (`name` or `database.name`; letters, digits and `_`).
+    pub fn with_table(mut self, table: &str) -> Result<MysqlStore, StoreError> {
+        sql::check_table_name(table)?;
+        self.sql = Arc::new(Sql::new(table));
+        Ok(self)
+    }
+
+    /// The pool, to run other queries on it.
+    pub fn pool(&self) -> &MySqlPool {
+        &self.pool
+    }
+
+    /// The schema this store needs, as SQL (one statement).
+    pub fn migration_sql(&self) -> String {
+        let t = &self.sql.quoted;
+        format!(
+            "CREATE TABLE IF NOT EXISTS {t} (
+    `key` VARBINARY(3072) NOT NULL,
+    state CHAR(1) CHARACTER SET ascii COLLATE ascii_bin NOT NULL,
+    attempts INT NOT NULL,
+    token BINARY(16) NULL,
+    lease_until DATETIME(6) NULL,
+    expires_at DATETIME(6) NOT NULL,
+    fingerprint VARBINARY(32) NULL,
+    result LONGBLOB NULL,
+    PRIMARY KEY (`key`),
+    KEY expires_at (expires_at)
+) ENGINE = InnoDB"
+        )
+    }
+
+    /// Creates the table if it does not exist (the server serializes concurrent
+    /// callers on the table's metadata lock).
+    pub async fn migrate(&self) -> Result<(), StoreError> {
+        sqlx::raw_sql(AssertSqlSafe(self.migration_sql()))
+            .execute(&self.pool)
+            .await
+            .map_err(StoreError::unavailable)?;
+        Ok(())
+    }
+
+    /// Deletes up to `batch` expired records; returns how many.
+    pub async fn purge_expired(&self, batch: i64) -> Result<u64, StoreError> {
+        let done = sqlx::query(self.sql.purge.clone())
+            .bind(batch)
+            .execute(&self.pool)
+            .await
+            .map_err(StoreError::unavailable)?;
+        Ok(done.rows_affected())
+    }
+
+    /// The renewals' pool, created on the first claim (inside the runtime).
+    fn renewal_pool(&self) -> &MySqlPool {
+        self.renewals.get_or_init(|| {
+            MySqlPoolOptions::new()
+                .min_connections(1)
+                .max_connections(RENEWAL_CONNECTIONS)
+                .acquire_timeout(Duration::from_secs(5))
+                .connect_lazy_with((*self.pool.connect_options()).clone())
+        })
+    }
+
+    /// [`Store::claim`] on `conn`, outside any transaction: the claim commits on its
+    /// own, and `conn` can go on to run the handler's transaction.
+    pub(crate) async fn claim_on(
+        &self,
+        conn: &mut MySqlConnection,
+        key: &Key,
+        lease: Duration,
+        ttl: Duration,
+        fingerprint: Option<&Fingerprint>,
+    ) -> Result<Claim, StoreError> {
+        self.maybe_purge();
+        self.renewal_pool();
+        let stored = key.stored();
+        let mut values = Values {
+            key: stored.as_ref(),
+            lease: micros(lease),
+            retention: micros(crate::claim_retention(lease, ttl)),
+            fingerprint: fingerprint.map(|f| f.as_bytes().as_slice()),
+            ..Values::default()
+        };
+        for _ in 0..10 {
+            let token = Token::random();
+            values.token = token.as_u128().to_be_bytes();
+            let done = match bind(&self.sql.claim, &values).execute(&mut *conn).await {
+                Ok(done) => done,
+                // The record row stayed locked for `LOCK_TIMEOUT`: another consumer is
+                // committing it, or died while it was.
+                Err(e) if sql::is_lock_timeout(&e) => return Ok(Claim::InProgress),
+                // Rolled back whole: nothing happened.
+                Err(e) if is_deadlock(&e) => continue,
+                Err(e) => return Err(sql::store_error(e)),
+            };
+            let verdict = done.last_insert_id();
+            if verdict == 0 {
+                // No assignment ran: the record was inserted.
+                if done.rows_affected() != 1 {
+                    let n = done.rows_affected();
+                    return Err(StoreError::Protocol(format!("claim inserted {n} rows")));
+                }
+                return Ok(Claim::Won { token, attempt: 1 });
+            }
+            let attempts = (verdict & 0xffff_ffff) as u32;
+            return match verdict >> VERDICT_SHIFT {
+                WON => Ok(Claim::Won { token, attempt: attempts }),
+                DONE if verdict & CACHED != 0 => match self.cached_result(conn, &values).await? {
+                    Some(result) => Ok(result),
+                    // Gone or taken over since: ask again.
+                    None => continue,
+                },
+                DONE => Ok(Claim::Done),
+                FAILED => Ok(Claim::Failed { attempts }),
+                IN_PROGRESS => Ok(Claim::InProgress),
+                MISMATCH => Ok(Claim::Mismatch),
+                other => Err(StoreError::Protocol(format!("claim answered {other}"))),
+            };
+        }
+        Err(StoreError::Protocol("claim found no answer after 10 tries".to_owned()))
+    }
+
+    /// The result a DONE record caches; `None` when the record is no longer DONE.
+    async fn cached_result(
+        &self,
+        conn: &mut MySqlConnection,
+        values: &Values<'_>,
+    ) -> Result<Option<Claim>, StoreError> {
+        use sqlx::Row as _;
+        let row =
+            bind(&self.sql.cached, values).fetch_optional(conn).await.map_err(sql::store_error)?;
+        let Some(row) = row else { return Ok(None) };
+        let result: Option<Vec<u8>> = row.try_get(0).map_err(sql::store_error)?;
+        Ok(Some(result.map_or(Claim::Done, Claim::Cached)))
+    }
+
+    /// Records DONE through `conn`, inside the caller's transaction: the record
+    /// becomes DONE when, and only if, that transaction commits.
+    pub(crate) async fn complete_on(
+        &self,
+        conn: &mut MySqlConnection,
+        key: &Key,
+        token: Token,
+        ttl: Duration,
+        result: Option<&[u8]>,
+    ) -> Result<Transition, StoreError> {
+        let stored = key.stored();
+        let values = Values {
+            key: stored.as_ref(),
+            token: token.as_u128().to_be_bytes(),
+            state: "D",
+            ttl: micros(ttl),
+            result,
+            ..Values::default()
+        };
+        self.update(conn, &self.sql.finish, &values).await
+    }
+
+    async fn update(
+        &self,
+        on: impl MySqlExecutor<'_>,
+        statement: &Statement,
+        values: &Values<'_>,
+    ) -> Result<Transition, StoreError> {
+        let done = bind(statement, values).execute(on).await.map_err(sql::store_error)?;
+        // Every update changes a column (state, or a lease deadline to the
+        // microsecond), so a matched row is a changed one whether or not the
+        // connection counts found rows.
+        Ok(if done.rows_affected() == 1 { Transition::Applied } else { Transition::LeaseLost })
+    }
+
+    fn maybe_purge(&self) {
+        if self.purge.due() {
+            let store = self.clone();
+            sql::spawn_purge(async move { store.purge_expired(PURGE_BATCH).await });
+        }
+    }
+}
+
+/// The claim's verdict, passed through `LAST_INSERT_ID(expr)`: what happened in the
+/// bits from [`VERDICT_SHIFT`], whether a DONE record caches a result in bit 32, the
+/// attempts in the low 32 bits. 0 (a fresh insert, where no assignment ran) is never
+/// a verdict.
+const VERDICT_SHIFT: u32 = 33;
+const WON: u64 = 1;
+const DONE: u64 = 2;
+const FAILED: u64 = 3;
+const IN_PROGRESS: u64 = 4;
+const MISMATCH: u64 = 5;
+const CACHED: u64 = 1 << 32;
+
+/// Whether the statement was chosen as a deadlock victim (and rolled back).
+fn is_deadlock(error: &sqlx::Error) -> bool {
+    matches!(error, sqlx::Error::Database(db) if db.code().as_deref() == Some("40001"))
+}
+
+/// A duration in whole microseconds, for `INTERVAL ? MICROSECOND`.
+fn micros(d: Duration) -> i64 {
+    millis(d).saturating_mul(1000)
+}
+
+/// The values a statement's parameters are bound from, by name.
+#[derive(Default)]
+struct Values<'a> {
+    key: &'a [u8],
+    token: [u8; 16],
+    lease: i64,
+    retention: i64,
+    fingerprint: Option<&'a [u8]>,
+    state: &'static str,
+    ttl: i64,
+    result: Option<&'a [u8]>,
+}
+
+/// A statement's parameters, in the order its `?`s bind them.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Param {
+    Key,
+    Token,
+    Lease,
+    Retention,
+    Fingerprint,
+    State,
+    Ttl,
+    Result,
+}
+
+/// A statement whose named parameters (`:key`, `:token`, ...) were turned into `?`s:
+/// MySQL's parameters are positional, and the claim uses some several times.
+struct Statement {
+    sql: SqlStr,
+    params: Vec<Param>,
+}
+
+impl Statement {
+    fn new(named: &str) -> Statement {
+        const NAMES: [(&str, Param); 8] = [
+            (":key", Param::Key),
+            (":token", Param::Token),
+            (":lease", Param::Lease),
+            (":retention", Param::Retention),
+            (":fingerprint", Param::Fingerprint),
+            (":state", Param::State),
+            (":ttl", Param::Ttl),
+            (":result", Param::Result),
+        ];
+        let (mut sql, mut params, mut rest) = (String::new(), Vec::new(), named);
+        while let Some(at) = rest.find(':') {
+            sql.push_str(&rest[..at]);
+            rest = &rest[at..];
+            let end =
+                rest[1..].find(|c: char| !c.is_ascii_alphanumeric()).map_or(rest.len(), |e| e + 1);
+            let param = NAMES.iter().find(|(name, _)| *name == &rest[..end]);
+            let (_, param) = param.unwrap_or_else(|| panic!("unknown parameter {}", &rest[..end]));
+            params.push(*param);
+            sql.push('?');
+            rest = &rest[end..];
+        }
+        sql.push_str(rest);
+        Statement { sql: AssertSqlSafe(Arc::<str>::from(sql)).into_sql_str(), params }
+    }
+}
+
+/// `statement` with its parameters bound from `values`.
+fn bind<'a>(
+    statement: &Statement,
+    values: &Values<'_>,
+) -> sqlx::query::Query<'a, sqlx::MySql, sqlx::mysql::MySqlArguments> {
+    let mut query = sqlx::query(statement.sql.clone());
+    for param in &statement.params {
+        query = match param {
+            Param::Key => query.bind(values.key),
+            Param::Token => query.bind(values.token.as_slice()),
+            Param::Lease => query.bind(values.lease),
+            Param::Retention => query.bind(values.retention),
+            Param::Fingerprint => query.bind(values.fingerprint),
+            Param::State => query.bind(values.state),
+            Param::Ttl => query.bind(values.ttl),
+            Param::Result => query.bind(values.result),
+        };
+    }
+    query
+}
+
+/// The statements, built once per table.
+struct Sql {
+    table: String,
+    /// The table name with each part in backquotes: a valid name may still be a
+    /// reserved word.
+    quoted: String,
+    claim: Statement,
+    cached: Statement,
+    finish: Statement,
+    release: Statement,
+    renew: Statement,
+    purge: SqlStr,
+}
+
+/// Put before each statement: MariaDB runs it with a lock wait of [`LOCK_TIMEOUT`]
+/// (`SET STATEMENT ... FOR`, MariaDB's syntax, in a comment only MariaDB executes);
+/// MySQL reads a comment.
+const LOCK_WAIT: &str = "/*M!100300 SET STATEMENT innodb_lock_wait_timeout = 2 FOR */ ";
+
+/// The database's clock, in UTC, fixed for the statement.
+const NOW: &str = "UTC_TIMESTAMP(6)";
+
+impl Sql {
+    fn new(table: &str) -> Sql {
+        debug_assert_eq!(LOCK_TIMEOUT, Duration::from_secs(2), "LOCK_WAIT says 2");
+        let t: String =
+            table.split('.').map(|part| format!("`{part}`")).collect::<Vec<_>>().join(".");
+        let live =
+            format!("`key` = :key AND state = 'P' AND token = :token AND expires_at > {NOW}");
+        Sql {
+            table: table.to_owned(),
+            claim: Statement::new(&claim_sql(&t)),
+            cached: Statement::new(&format!(
+                "SELECT result FROM {t} WHERE `key` = :key AND state = 'D' AND expires_at > {NOW}"
+            )),
+            finish: Statement::new(&format!(
+                "{LOCK_WAIT}UPDATE {t} SET state = :state, token = NULL, lease_until = NULL,
+    expires_at = {NOW} + INTERVAL :ttl MICROSECOND, result = :result WHERE {live}"
+            )),
+            release: Statement::new(&format!(
+                "{LOCK_WAIT}UPDATE {t} SET state = 'R', token = NULL, lease_until = NULL WHERE {live}"
+            )),
+            renew: Statement::new(&format!(
+                "{LOCK_WAIT}UPDATE {t} SET lease_until = {NOW} + INTERVAL :lease MICROSECOND,
+    expires_at = GREATEST(expires_at, {NOW} + INTERVAL :retention MICROSECOND) WHERE {live}"
+            )),
+            purge: AssertSqlSafe(format!(
+                "{LOCK_WAIT}DELETE FROM {t} WHERE expires_at <= {NOW} LIMIT ?"
+            ))
+            .into_sql_str(),
+            quoted: t,
+        }
+    }
+}
+
+/// The claim: inserts the record, or takes it over, or leaves it as it is, and says
+/// which through `LAST_INSERT_ID` (see [`VERDICT_SHIFT`]).
+///
+/// `ON DUPLICATE KEY UPDATE` assigns from left to right, each assignment seeing the
+/// ones before it. So the first one decides, on the record as it was, and sets the
+/// token when the claim takes it over; the others act only if the token is now the
+/// claim's (a random 128-bit value), and `expires_at`, which they read, is assigned
+/// last. The parameters are bound again where they are used rather than read with
+/// `VALUES(col)`, which MySQL 8 deprecates, or an `AS new` row alias, which MariaDB
+/// lacks.
+fn claim_sql(t: &str) -> String {
+    let won = "token <=> :token";
+    format!(
+        "{LOCK_WAIT}INSERT INTO {t} (`key`, state, attempts, token, lease_until, expires_at, fingerprint)
+VALUES (:key, 'P', 1, :token, {NOW} + INTERVAL :lease MICROSECOND,
+        {NOW} + INTERVAL :retention MICROSECOND, :fingerprint)
+ON DUPLICATE KEY UPDATE
+    token = IF(LAST_INSERT_ID(CASE
+            WHEN expires_at <= {NOW}
+                 OR ((state = 'R' OR (state = 'P' AND lease_until <= {NOW}))
+                     AND (fingerprint IS NULL OR :fingerprint IS NULL
+                          OR fingerprint = :fingerprint))
+                THEN ({WON} << {VERDICT_SHIFT}) | IF(expires_at <= {NOW}, 1, attempts + 1)
+            WHEN fingerprint <> :fingerprint THEN {MISMATCH} << {VERDICT_SHIFT}
+            WHEN state = 'D'
+                THEN ({DONE} << {VERDICT_SHIFT}) | IF(result IS NULL, 0, {CACHED}) | attempts
+            WHEN state = 'F' THEN ({FAILED} << {VERDICT_SHIFT}) | attempts
+            ELSE {IN_PROGRESS} << {VERDICT_SHIFT} END) >> {VERDICT_SHIFT} = {WON},
+        :token, token),
+    attempts = IF({won}, IF(expires_at <= {NOW}, 1, attempts + 1), attempts),
+    result = IF({won}, NULL, result),
+    state = IF({won}, 'P', state),
+    lease_until = IF({won}, {NOW} + INTERVAL :lease MICROSECOND, lease_until),
+    fingerprint = IF({won},
+        IF(expires_at <= {NOW}, :fingerprint, COALESCE(fingerprint, :fingerprint)), fingerprint),
+    expires_at = IF({won},
+        IF(expires_at <= {NOW}, {NOW} + INTERVAL :retention MICROSECOND,
+           GREATEST(expires_at, {NOW} + INTERVAL :retention MICROSECOND)),
+        expires_at)"
+    )
+}
+
+#[async_trait]
+impl Store for MysqlStore {
+    async fn claim(
+        &self,
+        key: &Key,
+        lease: Duration,
+        ttl: Duration,
+        fingerprint: Option<&Fingerprint>,
+    ) -> Result<Claim, StoreError> {
+        let mut conn = self.pool.acquire().await.map_err(StoreError::unavailable)?;
+        self.claim_on(&mut conn, key, lease, ttl, fingerprint).await
+    }
+
+    async fn complete(
+        &self,
+        key: &Key,
+        token: Token,
+        ttl: Duration,
+        result: Option<&[u8]>,
+    ) -> Result<Transition, StoreError> {
+        let stored = key.stored();
+        let values = Values {
+            key: stored.as_ref(),
+            token: token.as_u128().to_be_bytes(),
+            state: "D",
+            ttl: micros(ttl),
+            result,
+            ..Values::default()
+        };
+        self.update(&self.pool, &self.sql.finish, &values).await
+    }
+
+    async fn release(&self, key: &Key, token: Token) -> Result<Transition, StoreError> {
+        let stored = key.stored();
+        let values = Values {
+            key: stored.as_ref(),
+            token: token.as_u128().to_be_bytes(),
+            ..Values::default()
+        };
+        self.update(&self.pool, &self.sql.release, &values).await
+    }
+
+    async fn fail(&self, key: &Key, token: Token, ttl: Duration) -> Result<Transition, StoreError> {
+        let stored = key.stored();
+        let values = Values {
+            key: stored.as_ref(),
+            token: token.as_u128().to_be_bytes(),
+            state: "F",
+            ttl: micros(ttl),
+            ..Values::default()
+        };
+        self.update(&self.pool, &self.sql.finish, &values).await
+    }
+
+    async fn renew(
+        &self,
+        key: &Key,
+        token: Token,
+        lease: Duration,
+        ttl: Duration,
+    ) -> Result<Transition, StoreError> {
+        let stored = key.stored();
+        let values = Values {
+            key: stored.as_ref(),
+            token: token.as_u128().to_be_bytes(),
+            lease: micros(lease),
+            retention: micros(crate::claim_retention(lease, ttl)),
+            ..Values::default()
+        };
+        self.update(self.renewal_pool(), &self.sql.renew, &values).await
+    }
+
+    /// Starts the release on the current Tokio runtime and returns at once; without
+    /// a runtime, the lease runs out instead.
+    fn abandon(&self, key: &Key, token: Token) {
+        crate::store::release_in_background(self, key, token);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn named_parameters_become_positional_in_order() {
+        let s = Statement::new("SELECT :key, :token, :key WHERE x = :fingerprint");
+        assert_eq!(s.sql.as_str(), "SELECT ?, ?, ? WHERE x = ?");
+        assert_eq!(s.params, [Param::Key, Param::Token, Param::Key, Param::Fingerprint]);
+    }
+
+    #[test]
+    fn table_names_are_quoted_part_by_part() {
+        assert_eq!(Sql::new("billing.order").quoted, "`billing`.`order`");
+    }
+}
