@@ -114,7 +114,7 @@
 //! | [`MemoryStore`] | (none) | tests, the quickstart, a single consumer process whose duplicates all reach it |
 //! | `RedisStore` | `redis` (`redis-tls` for `rediss://`) | consumers on several machines; standalone Redis or Redis Cluster; a claim is one `SET NX GET` (plus a script when it finds another claim in progress), the other transitions one atomic script each |
 //! | `PostgresStore` | `postgres` | records beside the business data: with `transactional`, the handler's writes and DONE commit in one transaction (an exactly-once effect) |
-//! | `MysqlStore` | `mysql` | the same on MySQL 8 or MariaDB 10.6+; a claim is one `INSERT ... ON DUPLICATE KEY UPDATE` |
+//! | `MysqlStore` | `mysql` | the same on MySQL 8 or MariaDB 10.6+, `transactional` included; a claim is one `INSERT ... ON DUPLICATE KEY UPDATE` |
 //! | your own | (none) | implement [`Store`] and run the behaviour suite (`store_suite!`, feature `testing`) |
 //!
 //! Name the store per handler with `store = expr` (any expression, which may use the
@@ -326,7 +326,7 @@ pub mod __private {
     pub use idempotent_runtime::alert::process_sink;
     pub use idempotent_runtime::execute::{Call, HandlerResult, Spec, run, run_infallible};
     pub use idempotent_runtime::result_alias::{AnyValue, ResultValue, ValueType, require_value};
-    #[cfg(feature = "postgres")]
+    #[cfg(any(feature = "postgres", feature = "mysql"))]
     pub use idempotent_runtime::transactional::{TransactionalStore, TxSlot, run_transactional};
     pub use idempotent_runtime::{AsStore, DefaultStore, Document, Fingerprint, KeyBuilder};
 }

@@ -395,8 +395,9 @@ impl Handler {
         };
         let store = match &self.store {
             Some(expr) if self.transaction.is_some() => {
-                let postgres = respan(quote!(#private::TransactionalStore), expr.span());
-                let as_store = quote_spanned!(expr.span()=> #postgres::postgres_store(#store_var));
+                let transactional = respan(quote!(#private::TransactionalStore), expr.span());
+                let as_store =
+                    quote_spanned!(expr.span()=> #transactional::transactional_store(#store_var));
                 quote! {
                     let #store_var = &(#expr);
                     let #store_var = #as_store;
@@ -556,8 +557,8 @@ fn transaction_argument(args: &Args, sig: &syn::Signature, errors: &mut Errors) 
     if args.store.get().is_none() {
         errors.at(
             span,
-            "`transactional` needs `store = ...` naming a `PostgresStore`: the DONE record is \
-             written in its database, inside the handler's transaction",
+            "`transactional` needs `store = ...` naming a `PostgresStore` or a `MysqlStore`: the \
+             DONE record is written in its database, inside the handler's transaction",
         );
     }
     let found: Vec<usize> = (sig.inputs.iter().enumerate())
@@ -569,8 +570,8 @@ fn transaction_argument(args: &Args, sig: &syn::Signature, errors: &mut Errors) 
             errors.at(
                 span,
                 "`transactional` lends the handler a transaction: add an argument \
-                 `tx: &mut sqlx::Transaction<'_, sqlx::Postgres>` and run the handler's writes \
-                 on it",
+                 `tx: &mut sqlx::Transaction<'_, sqlx::Postgres>` (`sqlx::MySql` on MySQL) and \
+                 run the handler's writes on it",
             );
             None
         }
@@ -596,14 +597,16 @@ fn ungroup_type(ty: &Type) -> &Type {
     }
 }
 
-/// `&mut Transaction<..>` or `&mut PgTransaction<..>`, by any path.
+/// `&mut Transaction<..>`, `&mut PgTransaction<..>` or `&mut MySqlTransaction<..>`, by
+/// any path.
 fn is_transaction(ty: &Type) -> bool {
     let Type::Reference(reference) = ungroup_type(ty) else { return false };
     let Type::Path(path) = ungroup_type(&reference.elem) else { return false };
     reference.mutability.is_some()
         && path.qself.is_none()
-        && (path.path.segments.last())
-            .is_some_and(|s| s.ident == "Transaction" || s.ident == "PgTransaction")
+        && (path.path.segments.last()).is_some_and(|s| {
+            ["Transaction", "PgTransaction", "MySqlTransaction"].iter().any(|t| s.ident == t)
+        })
 }
 
 /// Whether an argument carries `#[cfg(..)]` (or `#[cfg_attr(..)]`).

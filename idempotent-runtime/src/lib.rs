@@ -40,8 +40,8 @@ pub mod store;
 #[cfg(feature = "testing")]
 #[cfg_attr(docsrs, doc(cfg(feature = "testing")))]
 pub mod testing;
-#[cfg(feature = "postgres")]
-#[cfg_attr(docsrs, doc(cfg(feature = "postgres")))]
+#[cfg(any(feature = "postgres", feature = "mysql"))]
+#[cfg_attr(docsrs, doc(cfg(any(feature = "postgres", feature = "mysql"))))]
 pub mod transactional;
 
 pub use alert::{AlertSink, TerminalEvent, set_alert_sink};

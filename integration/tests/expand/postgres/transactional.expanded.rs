@@ -27,7 +27,7 @@ async fn debit(
         __idempotent_key,
     );
     let __idempotent_store = &(pg);
-    let __idempotent_store = ::idempotent::__private::TransactionalStore::postgres_store(
+    let __idempotent_store = ::idempotent::__private::TransactionalStore::transactional_store(
         __idempotent_store,
     );
     ::idempotent::__private::run_transactional(

@@ -1,23 +1,12 @@
-//! The transactional inbox: a handler's PostgreSQL writes and its DONE record commit
-//! in one transaction (`#[idempotent(store = pg, transactional)]`).
-//!
-//! The claim is taken as usual, in its own statement, so concurrent duplicates wait
-//! or go away instead of running the handler twice. The handler then gets a
-//! transaction on the connection the claim was won on; when it returns `Ok`, the DONE
-//! update (fenced by the claim's token) runs in that transaction and the transaction
-//! commits. A process that dies before the commit leaves neither the business rows
-//! nor DONE, and the redelivery runs the handler again. An `Err` or a panic rolls
-//! back; the key is then released or, on a terminal error, recorded FAILED in its own
-//! statement.
+//! [`PostgresStore`]'s transactional mode.
 
 use std::fmt::Display;
 use std::future::Future;
-use std::ops::{Deref, DerefMut};
-use std::sync::{Arc, Mutex, PoisonError};
 
 use sqlx::pool::PoolConnection;
 use sqlx::{Postgres, SqlSafeStr, Transaction};
 
+use super::{Transactional, TxSlot, begin_within, rollback};
 use crate::alert::TerminalEvent;
 use crate::execute::{Call, Completed, Completion, Discarded, ResultCache, Spec, run_with};
 use crate::store::postgres::{ClaimCommit, TransactionalClaim};
@@ -26,145 +15,40 @@ use crate::{
     Transition,
 };
 
-/// Runs `body` at most once per key, with its writes and the DONE record in one
-/// PostgreSQL transaction. The `#[idempotent(transactional)]` expansion calls it.
-///
-/// As [`run`](crate::execute::run), except that:
-/// * after the claim is won, a transaction is begun on the store's pool and lent to
-///   `body` through `slot` ([`TxSlot::lend`]);
-/// * on `Ok`, the record is marked DONE inside that transaction, which then commits.
-///   If another consumer took the key meanwhile, the transaction rolls back and the
-///   call is [`Error::LeaseLost`]; if the commit fails, the key is released and the
-///   call is [`Error::Store`] with `handler_ran: false` (a commit that did happen,
-///   its answer lost, left the record DONE, which the release does not touch);
-/// * on `Err` or a panic, the transaction rolls back before the key is released or
-///   recorded FAILED;
-/// * if the call is dropped mid-way, the transaction is dropped (rolled back) and the
-///   key given back.
-pub async fn run_transactional<R, T, E, C, H, HF, F>(
-    call: Call<R>,
-    store: &PostgresStore,
-    slot: &TxSlot,
-    classify: C,
-    on_terminal: H,
-    body: F,
-) -> Result<Outcome<T>, Error<E>>
-where
-    R: ResultCache<T>,
-    E: Display,
-    C: FnOnce(&E) -> ErrorClass,
-    H: FnOnce(TerminalEvent) -> HF,
-    HF: Future<Output = ()>,
-    F: Future<Output = Result<T, E>>,
-{
-    let completion = InTransaction {
-        slot,
-        conn: None,
-        tx: None,
-        inline: store.transactional_claim() == TransactionalClaim::InTransaction,
-        claimed_at: tokio::time::Instant::now(),
-    };
-    run_with(call, store, completion, classify, on_terminal, body).await
-}
+impl Transactional for PostgresStore {
+    type Database = Postgres;
 
-/// A store that can commit a handler's DONE record in the handler's own transaction:
-/// [`PostgresStore`], or a reference or smart pointer to one.
-#[diagnostic::on_unimplemented(
-    message = "`transactional` needs a `PostgresStore`, and `{Self}` is not one",
-    label = "records kept here can't commit in the handler's PostgreSQL transaction",
-    note = "pass a `PostgresStore` (or a reference, `Arc` or `Box` of one) as `store = ...`, \
-            or drop `transactional` and record DONE separately"
-)]
-pub trait TransactionalStore {
-    /// The PostgreSQL store.
-    fn postgres_store(&self) -> &PostgresStore;
-}
-
-impl TransactionalStore for PostgresStore {
-    fn postgres_store(&self) -> &PostgresStore {
-        self
-    }
-}
-
-impl<S: TransactionalStore + ?Sized> TransactionalStore for &S {
-    fn postgres_store(&self) -> &PostgresStore {
-        (**self).postgres_store()
-    }
-}
-
-impl<S: TransactionalStore + ?Sized> TransactionalStore for Arc<S> {
-    fn postgres_store(&self) -> &PostgresStore {
-        (**self).postgres_store()
-    }
-}
-
-impl<S: TransactionalStore + ?Sized> TransactionalStore for Box<S> {
-    fn postgres_store(&self) -> &PostgresStore {
-        (**self).postgres_store()
-    }
-}
-
-/// Where [`run_transactional`] keeps the transaction while the handler borrows it.
-#[derive(Default)]
-pub struct TxSlot(Mutex<Option<Transaction<'static, Postgres>>>);
-
-impl TxSlot {
-    /// An empty slot.
-    pub fn new() -> TxSlot {
-        TxSlot::default()
-    }
-
-    /// Lends the transaction to the handler until the returned guard drops.
-    ///
-    /// # Panics
-    /// When no transaction is in the slot: outside [`run_transactional`]'s body, or
-    /// lent twice at once.
-    pub fn lend(&self) -> LentTx<'_> {
-        let tx = self.take().expect("the transaction is lent once, inside the handler");
-        LentTx { slot: self, tx: Some(tx) }
-    }
-
-    fn put(&self, tx: Transaction<'static, Postgres>) {
-        *self.0.lock().unwrap_or_else(PoisonError::into_inner) = Some(tx);
-    }
-
-    fn take(&self) -> Option<Transaction<'static, Postgres>> {
-        self.0.lock().unwrap_or_else(PoisonError::into_inner).take()
-    }
-}
-
-/// The handler's transaction, lent from a [`TxSlot`]; dereferences to the
-/// [`Transaction`]. Dropping it puts the transaction back for the commit.
-pub struct LentTx<'a> {
-    slot: &'a TxSlot,
-    tx: Option<Transaction<'static, Postgres>>,
-}
-
-impl Deref for LentTx<'_> {
-    type Target = Transaction<'static, Postgres>;
-    fn deref(&self) -> &Self::Target {
-        self.tx.as_ref().expect("held until drop")
-    }
-}
-
-impl DerefMut for LentTx<'_> {
-    fn deref_mut(&mut self) -> &mut Self::Target {
-        self.tx.as_mut().expect("held until drop")
-    }
-}
-
-impl Drop for LentTx<'_> {
-    fn drop(&mut self) {
-        if let Some(tx) = self.tx.take() {
-            self.slot.put(tx);
-        }
+    async fn run_transactional<R, T, E, C, H, HF, F>(
+        &self,
+        call: Call<R>,
+        slot: &TxSlot<Postgres>,
+        classify: C,
+        on_terminal: H,
+        body: F,
+    ) -> Result<Outcome<T>, Error<E>>
+    where
+        R: ResultCache<T>,
+        E: Display,
+        C: FnOnce(&E) -> ErrorClass,
+        H: FnOnce(TerminalEvent) -> HF,
+        HF: Future<Output = ()>,
+        F: Future<Output = Result<T, E>>,
+    {
+        let completion = InTransaction {
+            slot,
+            conn: None,
+            tx: None,
+            inline: self.transactional_claim() == TransactionalClaim::InTransaction,
+            claimed_at: tokio::time::Instant::now(),
+        };
+        run_with(call, self, completion, classify, on_terminal, body).await
     }
 }
 
 /// Claims on a pooled connection, begins the transaction on the same connection,
 /// records DONE in it and commits; rolls back otherwise.
 struct InTransaction<'a> {
-    slot: &'a TxSlot,
+    slot: &'a TxSlot<Postgres>,
     /// The connection the claim was won on, until `begin` starts the transaction on
     /// it: one pool checkout per message instead of two (each costs a round trip to
     /// test the connection, and another when it goes back).
@@ -306,26 +190,11 @@ impl Completion<PostgresStore> for InTransaction<'_> {
     }
 }
 
-/// Begins at READ COMMITTED on `conn`, giving up after a third of the lease. A dropped
-/// or failed begin drops the connection, which the pool rolls back.
+/// Begins at READ COMMITTED on `conn`, giving up after a third of the lease.
 async fn begin_read_committed(
     conn: PoolConnection<Postgres>,
     spec: &Spec,
 ) -> Result<Transaction<'static, Postgres>, StoreError> {
     let statement = "BEGIN ISOLATION LEVEL READ COMMITTED".into_sql_str();
-    let begin = Transaction::begin(conn, Some(statement));
-    match tokio::time::timeout(spec.lease() / 3, begin).await {
-        Ok(tx) => tx.map_err(StoreError::unavailable),
-        Err(_) => Err(StoreError::unavailable(format!(
-            "the handler's transaction did not begin within {:?} (a third of the lease)",
-            spec.lease() / 3
-        ))),
-    }
-}
-
-/// Rolls back; if that fails, the connection is closed by the pool, which rolls back.
-async fn rollback(tx: Transaction<'static, Postgres>) {
-    if let Err(error) = tx.rollback().await {
-        tracing::warn!(%error, "rollback failed; the connection is dropped instead");
-    }
+    begin_within(Transaction::begin(conn, Some(statement)), spec).await
 }

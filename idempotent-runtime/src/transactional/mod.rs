@@ -1,0 +1,245 @@
+//! The transactional inbox: a handler's SQL writes and its DONE record commit in one
+//! transaction (`#[idempotent(store = db, transactional)]`), on PostgreSQL
+//! ([`PostgresStore`](crate::PostgresStore), feature `postgres`) or MySQL / MariaDB
+//! ([`MysqlStore`](crate::MysqlStore), feature `mysql`).
+//!
+//! The claim is taken as usual, in its own statement, so concurrent duplicates wait
+//! or go away instead of running the handler twice. The handler then gets a
+//! transaction on the connection the claim was won on; when it returns `Ok`, the DONE
+//! update (fenced by the claim's token) runs in that transaction and the transaction
+//! commits. A process that dies before the commit leaves neither the business rows
+//! nor DONE, and the redelivery runs the handler again. An `Err` or a panic rolls
+//! back; the key is then released or, on a terminal error, recorded FAILED in its own
+//! statement.
+//!
+//! Isolation: the handler's transaction is begun at READ COMMITTED whatever the
+//! database's default. The DONE update must see the record as lease renewals from
+//! other connections left it: PostgreSQL's snapshot levels refuse such an update
+//! (SQLSTATE 40001), and so does MariaDB's REPEATABLE READ with
+//! `innodb_snapshot_isolation` on (error 1020). MySQL's REPEATABLE READ would let it
+//! through (an `UPDATE` reads the latest row), but READ COMMITTED also spares the
+//! handler's writes InnoDB's gap locks, which make concurrent consumers wait on each
+//! other. A handler that needs a stable read takes a lock (`SELECT ... FOR UPDATE`).
+
+use std::future::Future;
+use std::ops::{Deref, DerefMut};
+use std::sync::{Arc, Mutex, PoisonError};
+
+use sqlx::{Database, Transaction};
+
+use crate::alert::TerminalEvent;
+use crate::execute::{Call, ResultCache, Spec};
+use crate::{Error, ErrorClass, Outcome, Store, StoreError};
+
+#[cfg(feature = "mysql")]
+mod mysql;
+#[cfg(feature = "postgres")]
+mod postgres;
+
+/// Runs `body` at most once per key, with its writes and the DONE record in one
+/// transaction. The `#[idempotent(transactional)]` expansion calls it.
+///
+/// As [`run`](crate::execute::run), except that:
+/// * after the claim is won, a transaction is begun on the connection the claim was
+///   won on and lent to `body` through `slot` ([`TxSlot::lend`]);
+/// * on `Ok`, the record is marked DONE inside that transaction, which then commits.
+///   If another consumer took the key meanwhile, the transaction rolls back and the
+///   call is [`Error::LeaseLost`]; if the commit fails, the key is released and the
+///   call is [`Error::Store`] with `handler_ran: false` (a commit that did happen,
+///   its answer lost, left the record DONE, which the release does not touch);
+/// * on `Err` or a panic, the transaction rolls back before the key is released or
+///   recorded FAILED;
+/// * if the call is dropped mid-way, the transaction is dropped (rolled back) and the
+///   key given back.
+pub async fn run_transactional<S, R, T, E, C, H, HF, F>(
+    call: Call<R>,
+    store: &S,
+    slot: &TxSlot<S::Database>,
+    classify: C,
+    on_terminal: H,
+    body: F,
+) -> Result<Outcome<T>, Error<E>>
+where
+    S: Transactional + ?Sized,
+    R: ResultCache<T>,
+    E: std::fmt::Display,
+    C: FnOnce(&E) -> ErrorClass,
+    H: FnOnce(TerminalEvent) -> HF,
+    HF: Future<Output = ()>,
+    F: Future<Output = Result<T, E>>,
+{
+    store.run_transactional(call, slot, classify, on_terminal, body).await
+}
+
+/// A store whose DONE record can commit in the handler's own transaction:
+/// [`PostgresStore`](crate::PostgresStore) and [`MysqlStore`](crate::MysqlStore).
+/// Sealed: the work is done by each store's own code.
+pub trait Transactional: Store + sealed::Sealed {
+    /// The database the handler's transaction runs on.
+    type Database: Database;
+
+    /// [`run_transactional`] for this store.
+    #[doc(hidden)]
+    #[allow(async_fn_in_trait)]
+    async fn run_transactional<R, T, E, C, H, HF, F>(
+        &self,
+        call: Call<R>,
+        slot: &TxSlot<Self::Database>,
+        classify: C,
+        on_terminal: H,
+        body: F,
+    ) -> Result<Outcome<T>, Error<E>>
+    where
+        R: ResultCache<T>,
+        E: std::fmt::Display,
+        C: FnOnce(&E) -> ErrorClass,
+        H: FnOnce(TerminalEvent) -> HF,
+        HF: Future<Output = ()>,
+        F: Future<Output = Result<T, E>>;
+}
+
+mod sealed {
+    pub trait Sealed {}
+    #[cfg(feature = "postgres")]
+    impl Sealed for crate::PostgresStore {}
+    #[cfg(feature = "mysql")]
+    impl Sealed for crate::MysqlStore {}
+}
+
+/// What `store = ...` may name for a `transactional` handler: a
+/// [`Transactional`] store, or a reference or smart pointer to one.
+#[diagnostic::on_unimplemented(
+    message = "`transactional` needs a `PostgresStore` or a `MysqlStore`, and `{Self}` is not one",
+    label = "records kept here can't commit in the handler's SQL transaction",
+    note = "pass a `PostgresStore` or `MysqlStore` (or a reference, `Arc` or `Box` of one) as \
+            `store = ...`, or drop `transactional` and record DONE separately"
+)]
+pub trait TransactionalStore {
+    /// The store itself.
+    type Target: Transactional + ?Sized;
+
+    /// The store itself.
+    fn transactional_store(&self) -> &Self::Target;
+}
+
+#[cfg(feature = "postgres")]
+impl TransactionalStore for crate::PostgresStore {
+    type Target = crate::PostgresStore;
+    fn transactional_store(&self) -> &Self::Target {
+        self
+    }
+}
+
+#[cfg(feature = "mysql")]
+impl TransactionalStore for crate::MysqlStore {
+    type Target = crate::MysqlStore;
+    fn transactional_store(&self) -> &Self::Target {
+        self
+    }
+}
+
+impl<S: TransactionalStore + ?Sized> TransactionalStore for &S {
+    type Target = S::Target;
+    fn transactional_store(&self) -> &Self::Target {
+        (**self).transactional_store()
+    }
+}
+
+impl<S: TransactionalStore + ?Sized> TransactionalStore for Arc<S> {
+    type Target = S::Target;
+    fn transactional_store(&self) -> &Self::Target {
+        (**self).transactional_store()
+    }
+}
+
+impl<S: TransactionalStore + ?Sized> TransactionalStore for Box<S> {
+    type Target = S::Target;
+    fn transactional_store(&self) -> &Self::Target {
+        (**self).transactional_store()
+    }
+}
+
+/// Where [`run_transactional`] keeps the transaction while the handler borrows it.
+pub struct TxSlot<DB: Database>(Mutex<Option<Transaction<'static, DB>>>);
+
+impl<DB: Database> Default for TxSlot<DB> {
+    fn default() -> Self {
+        TxSlot(Mutex::new(None))
+    }
+}
+
+impl<DB: Database> TxSlot<DB> {
+    /// An empty slot.
+    pub fn new() -> TxSlot<DB> {
+        TxSlot::default()
+    }
+
+    /// Lends the transaction to the handler until the returned guard drops.
+    ///
+    /// # Panics
+    /// When no transaction is in the slot: outside [`run_transactional`]'s body, or
+    /// lent twice at once.
+    pub fn lend(&self) -> LentTx<'_, DB> {
+        let tx = self.take().expect("the transaction is lent once, inside the handler");
+        LentTx { slot: self, tx: Some(tx) }
+    }
+
+    pub(crate) fn put(&self, tx: Transaction<'static, DB>) {
+        *self.0.lock().unwrap_or_else(PoisonError::into_inner) = Some(tx);
+    }
+
+    pub(crate) fn take(&self) -> Option<Transaction<'static, DB>> {
+        self.0.lock().unwrap_or_else(PoisonError::into_inner).take()
+    }
+}
+
+/// The handler's transaction, lent from a [`TxSlot`]; dereferences to the
+/// [`Transaction`]. Dropping it puts the transaction back for the commit.
+pub struct LentTx<'a, DB: Database> {
+    slot: &'a TxSlot<DB>,
+    tx: Option<Transaction<'static, DB>>,
+}
+
+impl<DB: Database> Deref for LentTx<'_, DB> {
+    type Target = Transaction<'static, DB>;
+    fn deref(&self) -> &Self::Target {
+        self.tx.as_ref().expect("held until drop")
+    }
+}
+
+impl<DB: Database> DerefMut for LentTx<'_, DB> {
+    fn deref_mut(&mut self) -> &mut Self::Target {
+        self.tx.as_mut().expect("held until drop")
+    }
+}
+
+impl<DB: Database> Drop for LentTx<'_, DB> {
+    fn drop(&mut self) {
+        if let Some(tx) = self.tx.take() {
+            self.slot.put(tx);
+        }
+    }
+}
+
+/// Begins the handler's transaction with `begin`, giving up after a third of the
+/// lease (the renewal period; renewal is not running yet). A dropped or failed begin
+/// drops the connection, which the pool rolls back.
+pub(crate) async fn begin_within<DB: Database>(
+    begin: impl Future<Output = Result<Transaction<'static, DB>, sqlx::Error>>,
+    spec: &Spec,
+) -> Result<Transaction<'static, DB>, StoreError> {
+    match tokio::time::timeout(spec.lease() / 3, begin).await {
+        Ok(tx) => tx.map_err(StoreError::unavailable),
+        Err(_) => Err(StoreError::unavailable(format!(
+            "the handler's transaction did not begin within {:?} (a third of the lease)",
+            spec.lease() / 3
+        ))),
+    }
+}
+
+/// Rolls back; if that fails, the connection is closed by the pool, which rolls back.
+pub(crate) async fn rollback<DB: Database>(tx: Transaction<'static, DB>) {
+    if let Err(error) = tx.rollback().await {
+        tracing::warn!(%error, "rollback failed; the connection is dropped instead");
+    }
+}

@@ -1,0 +1,387 @@
+//! `#[idempotent(transactional)]` against the machine's MySQL or MariaDB (`MYSQL_URL`,
+//! default `mysql://root@127.0.0.1:3306/test`): the business rows and the DONE record
+//! commit together or not at all. Each test has its own record and business tables,
+//! so the tests run in parallel.
+//!
+//! The business table has no unique constraint: a message processed twice shows up
+//! as two rows.
+
+use std::collections::VecDeque;
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::time::Duration;
+
+#[path = "support/mysql.rs"]
+mod mysql;
+
+use idempotent::{Classify, Error, MysqlStore, Outcome, idempotent};
+use sqlx::{AssertSqlSafe, MySql, Transaction};
+use tokio::sync::Notify;
+
+#[derive(Debug, Clone)]
+struct Debit {
+    id: i64,
+    account: i64,
+    amount: i64,
+}
+
+#[derive(Debug, thiserror::Error, Classify)]
+enum DebitError {
+    #[error("database: {0}")]
+    #[idempotent(transparent)]
+    Db(#[from] sqlx::Error),
+    #[error("the ledger timed out")]
+    #[idempotent(retryable)]
+    Flaky,
+    #[error("account closed")]
+    #[idempotent(terminal)]
+    Refused,
+}
+
+/// What the handler does after its business write.
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Fault {
+    None,
+    Retryable,
+    Terminal,
+    Panic,
+    /// Signals `reached`, then never finishes: the caller drops the call.
+    Hang,
+    /// Reports its connection id, waits for `go`, then queries the (killed) connection.
+    AwaitKill,
+    /// Hands the record's claim to another token, as a consumer that took over an
+    /// expired lease would.
+    LoseLease,
+}
+
+/// One test's tables and fault script.
+struct Bank {
+    store: MysqlStore,
+    records: String,
+    ledger: String,
+    insert: String,
+    /// Faults for the next runs, in order; then `random` or none.
+    script: Mutex<VecDeque<Fault>>,
+    /// Seed of the random faults; 0 for none.
+    random: AtomicU64,
+    reached: Notify,
+    go: Notify,
+    pid: Mutex<Option<u64>>,
+}
+
+impl Bank {
+    /// Fresh tables; `None` (with a printed reason) when no server answers outside CI.
+    async fn open(connections: u32) -> Option<Bank> {
+        let pool = mysql::pool(connections).await?;
+        let records = mysql::table("records");
+        let ledger = records.replacen("records", "ledger", 1);
+        let store = MysqlStore::from_pool(pool).with_table(&records).unwrap();
+        store.migrate().await.unwrap();
+        let create = format!(
+            "CREATE TABLE {ledger} (message_id bigint NOT NULL, account bigint NOT NULL, \
+             amount bigint NOT NULL, KEY (message_id))"
+        );
+        sqlx::query(AssertSqlSafe(create)).execute(store.pool()).await.unwrap();
+        let insert = format!("INSERT INTO {ledger} (message_id, account, amount) VALUES (?, ?, ?)");
+        Some(Bank {
+            store,
+            records,
+            ledger,
+            insert,
+            script: Mutex::new(VecDeque::new()),
+            random: AtomicU64::new(0),
+            reached: Notify::new(),
+            go: Notify::new(),
+            pid: Mutex::new(None),
+        })
+    }
+
+    fn script(&self, faults: &[Fault]) {
+        self.script.lock().unwrap().extend(faults);
+    }
+
+    /// The next fault: scripted, else random (about 1 run in 8), else none.
+    fn next_fault(&self) -> Fault {
+        if let Some(fault) = self.script.lock().unwrap().pop_front() {
+            return fault;
+        }
+        let seed = self.random.load(Ordering::Relaxed);
+        if seed == 0 {
+            return Fault::None;
+        }
+        let roll = splitmix(self.random.fetch_add(0x9E37_79B9_7F4A_7C15, Ordering::Relaxed)) % 100;
+        match roll {
+            0..=7 => Fault::Retryable,
+            8..=9 => Fault::Panic,
+            10..=11 => Fault::Hang,
+            _ => Fault::None,
+        }
+    }
+
+    /// Rows the ledger holds for `id`, read outside any handler transaction.
+    async fn rows(&self, id: i64) -> i64 {
+        let sql = format!("SELECT count(*) FROM {} WHERE message_id = ?", self.ledger);
+        sqlx::query_scalar(AssertSqlSafe(sql)).bind(id).fetch_one(self.store.pool()).await.unwrap()
+    }
+
+    /// The record's state letter for `id` (`P`, `R`, `D`, `F`), if there is one.
+    async fn state(&self, id: i64) -> Option<String> {
+        let key = idempotent::Key::new("debit", format!("debit:{id}")).unwrap();
+        let sql = format!("SELECT state FROM {} WHERE `key` = ?", self.records);
+        sqlx::query_scalar(AssertSqlSafe(sql))
+            .bind(key.as_bytes())
+            .fetch_optional(self.store.pool())
+            .await
+            .unwrap()
+    }
+
+    async fn drop_tables(&self) {
+        mysql::drop_tables(self.store.pool(), &[&self.records, &self.ledger]).await;
+    }
+}
+
+fn splitmix(mut x: u64) -> u64 {
+    x = x.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    x = (x ^ (x >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    x = (x ^ (x >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    x ^ (x >> 31)
+}
+
+/// Writes one ledger row, then does what the fault script says; returns the amount.
+#[idempotent(key = "debit:{id}", store = bank.store, transactional, lease = "2s", max_attempts = 25, cache = true)]
+async fn debit(
+    msg: &Debit,
+    bank: &Bank,
+    tx: &mut Transaction<'_, MySql>,
+) -> Result<i64, DebitError> {
+    sqlx::query(AssertSqlSafe(bank.insert.as_str()))
+        .bind(msg.id)
+        .bind(msg.account)
+        .bind(msg.amount)
+        .execute(&mut **tx)
+        .await?;
+    match bank.next_fault() {
+        Fault::None => {}
+        Fault::Retryable => return Err(DebitError::Flaky),
+        Fault::Terminal => return Err(DebitError::Refused),
+        Fault::Panic => panic!("the ledger panicked"),
+        Fault::Hang => {
+            bank.reached.notify_one();
+            std::future::pending::<()>().await;
+        }
+        Fault::AwaitKill => {
+            let pid: u64 =
+                sqlx::query_scalar("SELECT CONNECTION_ID()").fetch_one(&mut **tx).await?;
+            *bank.pid.lock().unwrap() = Some(pid);
+            bank.reached.notify_one();
+            bank.go.notified().await;
+            sqlx::query("SELECT 1").execute(&mut **tx).await?;
+        }
+        Fault::LoseLease => {
+            let key = idempotent::Key::new("debit", format!("debit:{}", msg.id)).unwrap();
+            let sql = format!("UPDATE {} SET token = X'00' WHERE `key` = ?", bank.records);
+            sqlx::query(AssertSqlSafe(sql)).bind(key.as_bytes()).execute(bank.store.pool()).await?;
+        }
+    }
+    Ok(msg.amount)
+}
+
+fn debit_of(id: i64) -> Debit {
+    Debit { id, account: id % 7, amount: 100 + id }
+}
+
+/// Delivers `msg` until a run ends it (a release in flight reads as in progress).
+async fn deliver_until_settled(
+    bank: &Bank,
+    msg: &Debit,
+) -> Result<Outcome<i64>, Error<DebitError>> {
+    for _ in 0..200 {
+        match debit(msg, bank).await {
+            Ok(Outcome::InProgress) => tokio::time::sleep(Duration::from_millis(10)).await,
+            other => return other,
+        }
+    }
+    panic!("message {} stayed in progress", msg.id);
+}
+
+#[tokio::test]
+async fn the_business_write_and_done_commit_together() {
+    let Some(bank) = Bank::open(5).await else { return };
+    let msg = debit_of(1);
+    assert_eq!(debit(&msg, &bank).await.unwrap(), Outcome::Processed(101));
+    assert_eq!(bank.rows(1).await, 1);
+    assert_eq!(bank.state(1).await.as_deref(), Some("D"));
+    assert_eq!(debit(&msg, &bank).await.unwrap(), Outcome::Replayed(101));
+    assert_eq!(bank.rows(1).await, 1);
+    bank.drop_tables().await;
+}
+
+#[tokio::test]
+async fn a_retryable_error_or_a_panic_rolls_back_and_releases() {
+    let Some(bank) = Bank::open(5).await else { return };
+    let msg = debit_of(2);
+    bank.script(&[Fault::Retryable, Fault::Panic]);
+    let err = debit(&msg, &bank).await.unwrap_err();
+    assert!(matches!(err, Error::Retryable { attempt: 1, .. }), "{err:?}");
+    assert_eq!((bank.rows(2).await, bank.state(2).await.as_deref()), (0, Some("R")));
+    let err = debit(&msg, &bank).await.unwrap_err();
+    assert!(matches!(err, Error::Panicked { attempt: 2, .. }), "{err:?}");
+    assert_eq!((bank.rows(2).await, bank.state(2).await.as_deref()), (0, Some("R")));
+    assert_eq!(debit(&msg, &bank).await.unwrap(), Outcome::Processed(102));
+    assert_eq!(bank.rows(2).await, 1);
+    bank.drop_tables().await;
+}
+
+#[tokio::test]
+async fn a_terminal_error_rolls_back_and_records_failed() {
+    let Some(bank) = Bank::open(5).await else { return };
+    let msg = debit_of(3);
+    bank.script(&[Fault::Terminal]);
+    let err = debit(&msg, &bank).await.unwrap_err();
+    assert!(matches!(err, Error::Terminal { attempt: 1, exhausted: false, .. }), "{err:?}");
+    assert_eq!((bank.rows(3).await, bank.state(3).await.as_deref()), (0, Some("F")));
+    let err = debit(&msg, &bank).await.unwrap_err();
+    assert!(matches!(err, Error::PreviouslyFailed { attempts: 1 }), "{err:?}");
+    assert_eq!(bank.rows(3).await, 0);
+    bank.drop_tables().await;
+}
+
+#[tokio::test]
+async fn a_crash_between_the_write_and_done_commits_neither() {
+    let Some(bank) = Bank::open(5).await else { return };
+    let msg = debit_of(4);
+    bank.script(&[Fault::Hang]);
+    {
+        let call = debit(&msg, &bank);
+        tokio::pin!(call);
+        tokio::select! {
+            out = &mut call => panic!("the hanging run returned {out:?}"),
+            () = bank.reached.notified() => {}
+        }
+        // The row is written in the open transaction, invisible to everyone else.
+        assert_eq!(bank.rows(4).await, 0);
+        // Dropping the call here is the crash: the transaction and its connection go.
+    }
+    assert_eq!(bank.rows(4).await, 0);
+    assert_ne!(bank.state(4).await.as_deref(), Some("D"));
+    assert_eq!(deliver_until_settled(&bank, &msg).await.unwrap(), Outcome::Processed(104));
+    assert_eq!(debit(&msg, &bank).await.unwrap(), Outcome::Replayed(104));
+    assert_eq!(bank.rows(4).await, 1);
+    bank.drop_tables().await;
+}
+
+/// `KILL CONNECTION` on the handler's connection: the next query fails, the call is
+/// retryable, and the open transaction (business row and all) dies with the connection.
+#[tokio::test]
+async fn a_connection_killed_mid_handler_is_retryable_and_commits_nothing() {
+    let Some(bank) = Bank::open(5).await else { return };
+    let msg = debit_of(5);
+    bank.script(&[Fault::AwaitKill]);
+    let killer = async {
+        bank.reached.notified().await;
+        let pid = bank.pid.lock().unwrap().expect("the handler reported its backend");
+        sqlx::query(AssertSqlSafe(format!("KILL CONNECTION {pid}")))
+            .execute(bank.store.pool())
+            .await
+            .unwrap();
+        bank.go.notify_one();
+    };
+    let (result, ()) = tokio::join!(debit(&msg, &bank), killer);
+    let err = result.unwrap_err();
+    assert!(matches!(err, Error::Retryable { error: DebitError::Db(_), attempt: 1 }), "{err:?}");
+    assert_eq!((bank.rows(5).await, bank.state(5).await.as_deref()), (0, Some("R")));
+    assert_eq!(debit(&msg, &bank).await.unwrap(), Outcome::Processed(105));
+    assert_eq!(bank.rows(5).await, 1);
+    bank.drop_tables().await;
+}
+
+#[tokio::test]
+async fn a_lost_claim_rolls_the_business_write_back() {
+    let Some(bank) = Bank::open(5).await else { return };
+    let msg = debit_of(6);
+    bank.script(&[Fault::LoseLease]);
+    let err = debit(&msg, &bank).await.unwrap_err();
+    assert!(matches!(err, Error::LeaseLost { attempt: 1 }), "{err:?}");
+    assert_eq!((bank.rows(6).await, bank.state(6).await.as_deref()), (0, Some("P")));
+    bank.drop_tables().await;
+}
+
+/// 8 consumers share 5,000 deliveries (4,000 messages, 1,000 of them delivered twice),
+/// with retryable errors, panics and hung handlers injected at random. Anything not
+/// settled goes back on the queue, as a broker would redeliver it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn eight_consumers_apply_each_message_exactly_once() {
+    const UNIQUE: i64 = 4_000;
+    const DUPLICATES: i64 = 1_000;
+    let Some(bank) = Bank::open(16).await else { return };
+    let seed = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap();
+    bank.random.store(u64::from(seed.subsec_nanos()) | 1, Ordering::Relaxed);
+    println!("fault seed {}", bank.random.load(Ordering::Relaxed));
+
+    let mut deliveries: Vec<Debit> = (0..UNIQUE).map(debit_of).collect();
+    deliveries.extend((0..DUPLICATES).map(|i| debit_of(i * 4)));
+    let mut order = splitmix(seed.as_nanos() as u64);
+    for i in (1..deliveries.len()).rev() {
+        order = splitmix(order);
+        deliveries.swap(i, (order % (i as u64 + 1)) as usize);
+    }
+    let queue = Mutex::new(VecDeque::from(deliveries));
+    let open = AtomicUsize::new(queue.lock().unwrap().len());
+    let (processed, redelivered) = (AtomicUsize::new(0), AtomicUsize::new(0));
+
+    let consumer = || async {
+        loop {
+            let next = queue.lock().unwrap().pop_front();
+            let Some(msg) = next else {
+                if open.load(Ordering::SeqCst) == 0 {
+                    return;
+                }
+                tokio::time::sleep(Duration::from_millis(5)).await;
+                continue;
+            };
+            // A hung handler is cut off, as a consumer's processing deadline would.
+            let settled =
+                match tokio::time::timeout(Duration::from_millis(500), debit(&msg, &bank)).await {
+                    Ok(Ok(Outcome::Processed(_) | Outcome::ProcessedNotCached { .. })) => {
+                        processed.fetch_add(1, Ordering::SeqCst);
+                        true
+                    }
+                    Ok(Ok(Outcome::Duplicate | Outcome::Replayed(_))) => true,
+                    Ok(Ok(Outcome::InProgress)) => false,
+                    Ok(Err(e)) if e.is_retryable() => false,
+                    Ok(Err(e)) => panic!("message {} failed for good: {e}", msg.id),
+                    Err(_) => false,
+                };
+            if settled {
+                open.fetch_sub(1, Ordering::SeqCst);
+            } else {
+                redelivered.fetch_add(1, Ordering::SeqCst);
+                queue.lock().unwrap().push_back(msg);
+            }
+        }
+    };
+    let started = std::time::Instant::now();
+    futures_util::future::join_all((0..8).map(|_| consumer())).await;
+    println!(
+        "{} processed, {} redeliveries, in {:?}",
+        processed.load(Ordering::SeqCst),
+        redelivered.load(Ordering::SeqCst),
+        started.elapsed()
+    );
+
+    let sql = format!(
+        "SELECT count(*), count(DISTINCT message_id), CAST(coalesce(sum(amount), 0) AS SIGNED) FROM {}",
+        bank.ledger
+    );
+    let (rows, distinct, total): (i64, i64, i64) =
+        sqlx::query_as(AssertSqlSafe(sql)).fetch_one(bank.store.pool()).await.unwrap();
+    assert_eq!((rows, distinct), (UNIQUE, UNIQUE), "one ledger row per message");
+    assert_eq!(total, (0..UNIQUE).map(|id| 100 + id).sum::<i64>());
+    assert_eq!(processed.load(Ordering::SeqCst), UNIQUE as usize);
+    let sql = format!("SELECT count(*) FROM {} WHERE state = 'D'", bank.records);
+    let done: i64 =
+        sqlx::query_scalar(AssertSqlSafe(sql)).fetch_one(bank.store.pool()).await.unwrap();
+    assert_eq!(done, UNIQUE);
+    assert!(redelivered.load(Ordering::SeqCst) > 0, "faults were injected");
+    bank.drop_tables().await;
+}
