@@ -35,11 +35,12 @@ pub use super::sql::{DEFAULT_TABLE, PURGE_BATCH, PURGE_EVERY_CLAIMS};
 ///   portably: MySQL 8 has no `RETURNING`, and MariaDB's (10.5+; 10.11 accepts it
 ///   with `ON DUPLICATE KEY UPDATE`) is MariaDB's alone. A duplicate whose DONE
 ///   record holds a cached result (`cache = true`) costs a second round trip to read
-///   the result.
+///   the result. The claim leaves the connection's `LAST_INSERT_ID()` set to its
+///   verdict; the next insert into an `AUTO_INCREMENT` column sets it again.
 /// * Complete, release, fail and renew: one `UPDATE ... WHERE key = ? AND state = 'P'
 ///   AND token = ?` each: a consumer whose lease was taken over changes nothing.
 /// * In `transactional` mode: the claim, then `SET TRANSACTION ISOLATION LEVEL READ
-///   COMMITTED; BEGIN` in one round trip, the handler's statements, the DONE update
+///   COMMITTED; START TRANSACTION` in one round trip, the handler's statements, the DONE update
 ///   and `COMMIT`.
 ///
 /// Isolation: the store's own statements are single locking statements (`INSERT ...
