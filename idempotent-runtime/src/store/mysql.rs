@@ -478,15 +478,17 @@ impl Sql {
 /// The claim: inserts the record, or takes it over, or leaves it as it is, and says
 /// which through `LAST_INSERT_ID` (see [`VERDICT_SHIFT`]).
 ///
-/// `ON DUPLICATE KEY UPDATE` assigns from left to right, each assignment seeing the
-/// ones before it. So the first one decides, on the record as it was, and sets the
-/// token when the claim takes it over; the others act only if the token is now the
-/// claim's (a random 128-bit value), and `expires_at`, which they read, is assigned
-/// last. The parameters are bound again where they are used rather than read with
+/// The first assignment decides, on the record as it was, and sets the token when
+/// the claim takes it over; the others act only if that verdict, read back with
+/// `LAST_INSERT_ID()` (which returns the value `LAST_INSERT_ID(expr)` just set), is
+/// a win. They read no column an earlier assignment changed (`expires_at` is assigned
+/// last), so the statement means the same whether assignments see the ones before
+/// them (the default) or the row as it was (MariaDB's `SIMULTANEOUS_ASSIGNMENT` SQL
+/// mode). The parameters are bound again where they are used rather than read with
 /// `VALUES(col)`, which MySQL 8 deprecates, or an `AS new` row alias, which MariaDB
 /// lacks.
 fn claim_sql(t: &str) -> String {
-    let won = "token <=> :token";
+    let won = format!("LAST_INSERT_ID() >> {VERDICT_SHIFT} = {WON}");
     format!(
         "{LOCK_WAIT}INSERT INTO {t} (`key`, state, attempts, token, lease_until, expires_at, fingerprint)
 VALUES (:key, 'P', 1, :token, {NOW} + INTERVAL :lease MICROSECOND,
