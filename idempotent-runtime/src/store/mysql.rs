@@ -60,8 +60,10 @@ pub use super::sql::{DEFAULT_TABLE, PURGE_BATCH, PURGE_EVERY_CLAIMS};
 /// * A claim that hits a deadlock (concurrent claims on neighbouring keys can, through
 ///   InnoDB's gap locks) is tried again; the statement was rolled back whole.
 /// * Lease renewals run on [`RENEWAL_CONNECTIONS`] connections of their own, opened
-///   with the pool's options on first use, so they never wait behind the handlers'
-///   transactions.
+///   with the pool's connect options on first use, so they never wait behind the
+///   handlers' transactions. They are not the pool's connections: a hook the pool
+///   runs on its own (`after_connect`) does not run on them, so put what every
+///   connection needs (user, database, TLS, time-outs) in the connect options.
 /// * Errors that retrying can't fix (a value the database refuses) are
 ///   [`StoreError::Rejected`]: the message is dead-lettered, not retried for ever.
 /// * Expired rows are deleted in the background, [`PURGE_BATCH`] at a time, every

@@ -39,11 +39,13 @@ pub use super::sql::{DEFAULT_TABLE, PURGE_BATCH, PURGE_EVERY_CLAIMS};
 ///   locked by a consumer whose host died between its DONE update and COMMIT): a claim
 ///   then answers [`Claim::InProgress`] instead of blocking.
 /// * Lease renewals run on [`RENEWAL_CONNECTIONS`] connections of their own, opened
-///   with the pool's options on first use, so they never wait behind the handlers'
-///   transactions; size the pool for the handlers in flight (in `transactional` mode
-///   each holds one connection from its claim to its commit) plus a few for plain
-///   claims. A transactional handler waits for its connection before it claims, so a
-///   full pool delays claims rather than eating into leases.
+///   with the pool's connect options on first use (a hook the pool runs on its own,
+///   `after_connect`, does not run on them: put what every connection needs in the
+///   connect options), so they never wait behind the handlers' transactions; size
+///   the pool for the handlers in flight (in `transactional` mode each holds one
+///   connection from its claim to its commit) plus a few for plain claims. A
+///   transactional handler waits for its connection before it claims, so a full pool
+///   delays claims rather than eating into leases.
 /// * Errors that retrying can't fix (a value the database refuses) are
 ///   [`StoreError::Rejected`]: the message is dead-lettered, not retried for ever.
 /// * Expired rows are deleted in the background, [`PURGE_BATCH`] at a time, every
