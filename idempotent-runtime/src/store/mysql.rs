@@ -274,11 +274,12 @@ impl MysqlStore {
         Ok(Some(result.map_or(Claim::Done, Claim::Cached)))
     }
 
-    /// Records DONE through `conn`, inside the caller's transaction: the record
-    /// becomes DONE when, and only if, that transaction commits.
+    /// Records DONE through `on`: the pool, or a connection inside the caller's
+    /// transaction (the record then becomes DONE when, and only if, that transaction
+    /// commits).
     pub(crate) async fn complete_on(
         &self,
-        conn: &mut MySqlConnection,
+        on: impl MySqlExecutor<'_>,
         key: &Key,
         token: Token,
         ttl: Duration,
@@ -293,7 +294,7 @@ impl MysqlStore {
             result,
             ..Values::default()
         };
-        self.update(conn, &self.sql.finish, &values).await
+        self.update(on, &self.sql.finish, &values).await
     }
 
     async fn update(
@@ -541,16 +542,7 @@ impl Store for MysqlStore {
         ttl: Duration,
         result: Option<&[u8]>,
     ) -> Result<Transition, StoreError> {
-        let stored = key.stored();
-        let values = Values {
-            key: stored.as_ref(),
-            token: token.as_u128().to_be_bytes(),
-            state: "D",
-            ttl: micros(ttl),
-            result,
-            ..Values::default()
-        };
-        self.update(&self.pool, &self.sql.finish, &values).await
+        self.complete_on(&self.pool, key, token, ttl, result).await
     }
 
     async fn release(&self, key: &Key, token: Token) -> Result<Transition, StoreError> {

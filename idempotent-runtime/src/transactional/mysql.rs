@@ -91,7 +91,7 @@ impl Completion<MysqlStore> for InTransaction<'_> {
             let error = StoreError::Protocol("the handler's transaction went missing".to_owned());
             return Completed::Failed { error, effects_kept: false };
         };
-        match store.complete_on(&mut tx, key, token, spec.ttl(), result).await {
+        match store.complete_on(&mut *tx, key, token, spec.ttl(), result).await {
             Ok(Transition::Applied) => match tx.commit().await {
                 Ok(()) => Completed::Applied,
                 // Whether it committed is unknown. The caller releases the key, which
