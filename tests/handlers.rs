@@ -302,3 +302,45 @@ async fn an_effect_found_already_applied_is_a_duplicate_and_done() {
     assert_eq!(pay_guarded(order(7), &store, false).await.unwrap(), Outcome::Duplicate);
     assert_eq!(GUARD_RUNS.load(Ordering::SeqCst), 1, "DONE: not run again");
 }
+
+/// Orders and their states, the guard of a handler that keeps no records.
+#[derive(Default)]
+struct Ledger {
+    paid: std::sync::Mutex<std::collections::HashSet<u64>>,
+    charges: AtomicU32,
+}
+
+#[idempotent(key = "order:{order_id}", store = idempotent::NoStore)]
+async fn pay_by_state(msg: OrderPlaced, ledger: &Ledger) -> Result<(), GuardError> {
+    if msg.amount_cents < 0 {
+        return Err(GuardError::Cancelled(msg.order_id));
+    }
+    // The guard: only an unpaid order is paid, checked and changed in one step.
+    if !ledger.paid.lock().unwrap().insert(msg.order_id) {
+        return Err(GuardError::AlreadyPaid(msg.order_id));
+    }
+    ledger.charges.fetch_add(1, Ordering::SeqCst);
+    Ok(())
+}
+
+/// `NoStore` keeps nothing: every delivery runs, the business guard turns the
+/// duplicates away (acked as duplicates), and a terminal error still dead-letters
+/// with an alert-worthy `Terminal`, on attempt 1 every time.
+#[tokio::test]
+async fn a_handler_on_no_store_runs_every_delivery_and_its_guard_decides() {
+    use idempotent::{Disposition, DispositionExt};
+    let ledger = Ledger::default();
+    assert!(pay_by_state(order(1), &ledger).await.unwrap().is_processed());
+    for _ in 0..3 {
+        let again = pay_by_state(order(1), &ledger).await;
+        assert_eq!(again.disposition(), Disposition::Ack);
+        assert_eq!(again.unwrap(), Outcome::Duplicate);
+    }
+    assert_eq!(ledger.charges.load(Ordering::SeqCst), 1);
+    let cancelled = OrderPlaced { amount_cents: -1, ..order(2) };
+    for _ in 0..2 {
+        let err = pay_by_state(cancelled.clone(), &ledger).await.unwrap_err();
+        assert!(matches!(err, Error::Terminal { attempt: 1, .. }), "{err:?}");
+        assert_eq!(err.disposition(), Disposition::DeadLetter);
+    }
+}

@@ -54,6 +54,7 @@ pub use store::memory::MemoryStore;
 #[cfg(feature = "mysql")]
 #[cfg_attr(docsrs, doc(cfg(feature = "mysql")))]
 pub use store::mysql::{self as mysql_store, MysqlStore};
+pub use store::none::NoStore;
 #[cfg(feature = "postgres")]
 #[cfg_attr(docsrs, doc(cfg(feature = "postgres")))]
 pub use store::postgres::{self as postgres_store, PostgresStore};

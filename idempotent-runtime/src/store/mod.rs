@@ -1,6 +1,8 @@
 //! Where idempotency records live: the [`Store`] trait and its implementations.
 //!
 //! * [`memory`]: [`MemoryStore`](memory::MemoryStore), in process.
+//! * [`none`]: [`NoStore`](none::NoStore), no records, for handlers guarded by
+//!   business state.
 //! * `redis` (feature `redis`): `RedisStore`, standalone and Cluster.
 //! * `postgres` (feature `postgres`): `PostgresStore`.
 //! * `mysql` (feature `mysql`): `MysqlStore`, for MySQL 8 and MariaDB 10.6+.
@@ -20,6 +22,7 @@ pub mod memory;
 #[cfg(feature = "mysql")]
 #[cfg_attr(docsrs, doc(cfg(feature = "mysql")))]
 pub mod mysql;
+pub mod none;
 #[cfg(feature = "postgres")]
 #[cfg_attr(docsrs, doc(cfg(feature = "postgres")))]
 pub mod postgres;
