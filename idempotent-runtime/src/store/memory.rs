@@ -40,10 +40,11 @@ const MAX_AHEAD: Tick = 1 << 42;
 ///
 /// # Memory
 ///
-/// A record of a 27-byte key takes about 210 bytes (measured with 10 million records:
-/// `cargo bench -p idempotent-integration --bench memory_scale`). Records stay for
-/// their ttl (24 h by default), so a consumer doing 1,000 messages a second holds 86
-/// million records, about 18 GB. Bound it with [`with_capacity`](MemoryStore::with_capacity): a full
+/// A record of a 27-byte key takes about 190 bytes (measured with 10 million records:
+/// `cargo bench -p idempotent-integration --bench memory_scale`); keys of up to 30
+/// bytes are kept inside the record, longer ones in an allocation of their own.
+/// Records stay for their ttl (24 h by default), so a consumer doing 1,000 messages a
+/// second holds 86 million records, about 16 GB. Bound it with [`with_capacity`](MemoryStore::with_capacity): a full
 /// store refuses claims of new keys with [`StoreError::Full`] (the delivery is
 /// retried later) rather than evict a record whose key is in progress, or done within
 /// its dedupe window, which would let a duplicate run again.
