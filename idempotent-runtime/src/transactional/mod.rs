@@ -28,8 +28,8 @@ use std::sync::{Arc, Mutex, PoisonError};
 use sqlx::{Database, Transaction};
 
 use crate::alert::TerminalEvent;
-use crate::execute::{Call, ResultCache, Spec};
-use crate::{Error, ErrorClass, Outcome, Store, StoreError};
+use crate::execute::{Call, Completed, ResultCache, Spec};
+use crate::{Error, ErrorClass, Outcome, Store, StoreError, Transition};
 
 #[cfg(feature = "mysql")]
 mod mysql;
@@ -234,6 +234,31 @@ pub(crate) async fn begin_within<DB: Database>(
             "the handler's transaction did not begin within {:?} (a third of the lease)",
             spec.lease() / 3
         ))),
+    }
+}
+
+/// Ends the handler's transaction once the DONE update ran in it: commits when the
+/// update applied, rolls back when the claim was lost or the update failed.
+pub(crate) async fn commit_if_recorded<DB: Database>(
+    tx: Transaction<'static, DB>,
+    recorded: Result<Transition, StoreError>,
+) -> Completed {
+    match recorded {
+        Ok(Transition::Applied) => match tx.commit().await {
+            Ok(()) => Completed::Applied,
+            // Whether it committed is unknown. The caller releases the key, which only
+            // takes effect if the record is still in progress, i.e. if the commit did
+            // not happen.
+            Err(e) => Completed::Failed { error: StoreError::unavailable(e), effects_kept: false },
+        },
+        Ok(Transition::LeaseLost) => {
+            rollback(tx).await;
+            Completed::LeaseLost
+        }
+        Err(error) => {
+            rollback(tx).await;
+            Completed::Failed { error, effects_kept: false }
+        }
     }
 }
 

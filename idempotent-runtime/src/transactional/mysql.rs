@@ -6,12 +6,10 @@ use std::future::Future;
 use sqlx::pool::PoolConnection;
 use sqlx::{MySql, SqlSafeStr, Transaction};
 
-use super::{Transactional, TxSlot, begin_within, rollback};
+use super::{Transactional, TxSlot, begin_within, commit_if_recorded, rollback};
 use crate::alert::TerminalEvent;
 use crate::execute::{Call, Completed, Completion, Discarded, ResultCache, Spec, run_with};
-use crate::{
-    Claim, Error, ErrorClass, Fingerprint, Key, MysqlStore, Outcome, StoreError, Token, Transition,
-};
+use crate::{Claim, Error, ErrorClass, Fingerprint, Key, MysqlStore, Outcome, StoreError, Token};
 
 impl Transactional for MysqlStore {
     type Database = MySql;
@@ -91,25 +89,8 @@ impl Completion<MysqlStore> for InTransaction<'_> {
             let error = StoreError::Protocol("the handler's transaction went missing".to_owned());
             return Completed::Failed { error, effects_kept: false };
         };
-        match store.complete_on(&mut *tx, key, token, spec.ttl(), result).await {
-            Ok(Transition::Applied) => match tx.commit().await {
-                Ok(()) => Completed::Applied,
-                // Whether it committed is unknown. The caller releases the key, which
-                // only takes effect if the record is still in progress, i.e. if the
-                // commit did not happen.
-                Err(e) => {
-                    Completed::Failed { error: StoreError::unavailable(e), effects_kept: false }
-                }
-            },
-            Ok(Transition::LeaseLost) => {
-                rollback(tx).await;
-                Completed::LeaseLost
-            }
-            Err(error) => {
-                rollback(tx).await;
-                Completed::Failed { error, effects_kept: false }
-            }
-        }
+        let recorded = store.complete_on(&mut *tx, key, token, spec.ttl(), result).await;
+        commit_if_recorded(tx, recorded).await
     }
 
     async fn discard(

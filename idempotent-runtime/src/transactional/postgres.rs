@@ -6,7 +6,7 @@ use std::future::Future;
 use sqlx::pool::PoolConnection;
 use sqlx::{Postgres, SqlSafeStr, Transaction};
 
-use super::{Transactional, TxSlot, begin_within, rollback};
+use super::{Transactional, TxSlot, begin_within, commit_if_recorded, rollback};
 use crate::alert::TerminalEvent;
 use crate::execute::{Call, Completed, Completion, Discarded, ResultCache, Spec, run_with};
 use crate::store::postgres::{ClaimCommit, TransactionalClaim};
@@ -136,25 +136,7 @@ impl Completion<PostgresStore> for InTransaction<'_> {
         } else {
             Ok(Transition::Applied)
         };
-        match recorded {
-            Ok(Transition::Applied) => match tx.commit().await {
-                Ok(()) => Completed::Applied,
-                // Whether it committed is unknown. The caller releases the key, which
-                // only takes effect if the record is still in progress, i.e. if the
-                // commit did not happen.
-                Err(e) => {
-                    Completed::Failed { error: StoreError::unavailable(e), effects_kept: false }
-                }
-            },
-            Ok(Transition::LeaseLost) => {
-                rollback(tx).await;
-                Completed::LeaseLost
-            }
-            Err(error) => {
-                rollback(tx).await;
-                Completed::Failed { error, effects_kept: false }
-            }
-        }
+        commit_if_recorded(tx, recorded).await
     }
 
     /// With [`TransactionalClaim::InTransaction`] the rollback takes the claim with
