@@ -10,7 +10,7 @@ use sqlx::{AssertSqlSafe, SqlSafeStr, SqlStr};
 use super::sql::{self, PurgeSchedule, millis};
 use crate::{Claim, Fingerprint, Key, Store, StoreError, Token, Transition};
 
-pub use super::sql::{DEFAULT_TABLE, PURGE_BATCH, PURGE_EVERY_CLAIMS};
+pub use super::sql::{DEFAULT_TABLE, PURGE_BATCH, PURGE_EVERY_CLAIMS, RENEWAL_CONNECTIONS};
 
 /// Records in MySQL 8 or MariaDB 10.6+ (InnoDB), through an `sqlx` pool.
 ///
@@ -98,9 +98,6 @@ pub struct MysqlStore {
     sql: Arc<Sql>,
     purge: Arc<PurgeSchedule>,
 }
-
-/// How many connections lease renewals keep, beside the pool.
-pub const RENEWAL_CONNECTIONS: u32 = 2;
 
 /// How long one of the store's statements waits for a locked record row on MariaDB
 /// before giving up (a row stays locked while a `transactional` handler commits its
@@ -192,13 +189,7 @@ impl MysqlStore {
 
     /// The renewals' pool, created on the first claim (inside the runtime).
     fn renewal_pool(&self) -> &MySqlPool {
-        self.renewals.get_or_init(|| {
-            MySqlPoolOptions::new()
-                .min_connections(1)
-                .max_connections(RENEWAL_CONNECTIONS)
-                .acquire_timeout(Duration::from_secs(5))
-                .connect_lazy_with((*self.pool.connect_options()).clone())
-        })
+        self.renewals.get_or_init(|| sql::renewal_pool(&self.pool))
     }
 
     /// [`Store::claim`] on `conn`, outside any transaction: the claim commits on its

@@ -10,7 +10,7 @@ use sqlx::{AssertSqlSafe, SqlSafeStr, SqlStr};
 use super::sql::{self, PurgeSchedule, millis};
 use crate::{Claim, Fingerprint, Key, Store, StoreError, Token, Transition};
 
-pub use super::sql::{DEFAULT_TABLE, PURGE_BATCH, PURGE_EVERY_CLAIMS};
+pub use super::sql::{DEFAULT_TABLE, PURGE_BATCH, PURGE_EVERY_CLAIMS, RENEWAL_CONNECTIONS};
 
 /// Records in PostgreSQL, through an `sqlx` pool.
 ///
@@ -120,9 +120,6 @@ pub enum TransactionalClaim {
     ///   record this mode holds before answering `InProgress`.
     InTransaction,
 }
-
-/// How many connections lease renewals keep, beside the pool.
-pub const RENEWAL_CONNECTIONS: u32 = 2;
 
 /// The statements, built once per table. `SqlStr`s made from an `Arc<str>` clone
 /// without copying the text.
@@ -240,13 +237,7 @@ CREATE INDEX IF NOT EXISTS {index}_expires_at ON {t} (expires_at);"
     /// The renewals' pool, created on the first claim (inside the runtime), which
     /// opens its first connection in the background, before the first renewal is due.
     fn renewal_pool(&self) -> &PgPool {
-        self.renewals.get_or_init(|| {
-            PgPoolOptions::new()
-                .min_connections(1)
-                .max_connections(RENEWAL_CONNECTIONS)
-                .acquire_timeout(Duration::from_secs(5))
-                .connect_lazy_with((*self.pool.connect_options()).clone())
-        })
+        self.renewals.get_or_init(|| sql::renewal_pool(&self.pool))
     }
 
     /// [`Store::claim`], with the claim's commit durable or deferred.
@@ -410,7 +401,6 @@ fn statement(sql: String) -> SqlStr {
     AssertSqlSafe(std::sync::Arc::<str>::from(sql)).into_sql_str()
 }
 
-/// What a claim statement answers: outcome letter, attempts, cached result.
 /// The claim a claim statement's row answers: its outcome letter, the attempts and
 /// any cached result; `token` is the claim's, if it won.
 fn claim_answer(

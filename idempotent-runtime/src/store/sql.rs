@@ -1,5 +1,5 @@
-//! What the SQL stores share: table names, the background purge, durations as
-//! milliseconds, and how a database error is classified.
+//! What the SQL stores share: table names, the background purge, the renewals'
+//! connections, durations as milliseconds, and how a database error is classified.
 
 use std::future::Future;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -14,6 +14,19 @@ pub const DEFAULT_TABLE: &str = "idempotent_records";
 pub const PURGE_EVERY_CLAIMS: u64 = 1024;
 /// How many expired records one background purge deletes at most.
 pub const PURGE_BATCH: i64 = 1000;
+/// How many connections lease renewals keep, beside the pool.
+pub const RENEWAL_CONNECTIONS: u32 = 2;
+
+/// Lease renewals' own connections, with `pool`'s connect options, opened on first
+/// use: a renewal must not wait behind the handlers whose leases it keeps, which hold
+/// the pool's connections for their transactions.
+pub(crate) fn renewal_pool<DB: sqlx::Database>(pool: &sqlx::Pool<DB>) -> sqlx::Pool<DB> {
+    sqlx::pool::PoolOptions::<DB>::new()
+        .min_connections(1)
+        .max_connections(RENEWAL_CONNECTIONS)
+        .acquire_timeout(Duration::from_secs(5))
+        .connect_lazy_with((*pool.connect_options()).clone())
+}
 
 /// Accepts `name` or `schema.name` made of ASCII letters, digits and `_`, not starting
 /// with a digit: the name is written into SQL text, so nothing else may pass.
