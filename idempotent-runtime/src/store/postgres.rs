@@ -69,7 +69,7 @@ pub use super::sql::{DEFAULT_TABLE, PURGE_BATCH, PURGE_EVERY_CLAIMS, RENEWAL_CON
 ///     .connect("postgres://postgres@127.0.0.1:5432/app")
 ///     .await?;
 /// let store = PostgresStore::from_pool(pool).with_table("billing.idempotency")?;
-/// println!("{}", store.migration_sql());
+/// let ddl: String = store.migration_sql(); // for your own migration tool
 /// # Ok(()) }
 /// ```
 #[derive(Clone)]
