@@ -303,6 +303,10 @@ pub use idempotent_runtime::{PostgresStore, postgres_store};
 #[cfg_attr(docsrs, doc(cfg(feature = "mysql")))]
 pub use idempotent_runtime::{MysqlStore, mysql_store};
 
+#[cfg(any(feature = "postgres", feature = "mysql"))]
+#[cfg_attr(docsrs, doc(cfg(any(feature = "postgres", feature = "mysql"))))]
+pub use idempotent_runtime::guard;
+
 #[cfg(any(
     feature = "redis-streams",
     feature = "rabbitmq",

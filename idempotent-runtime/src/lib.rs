@@ -30,6 +30,9 @@ mod classify;
 pub mod consume;
 mod error;
 pub mod execute;
+#[cfg(any(feature = "postgres", feature = "mysql"))]
+#[cfg_attr(docsrs, doc(cfg(any(feature = "postgres", feature = "mysql"))))]
+pub mod guard;
 mod json_number;
 mod key;
 mod outcome;

@@ -1,0 +1,457 @@
+//! Guards kept by the business rows themselves, for PostgreSQL and MySQL / MariaDB
+//! through sqlx: a state machine ("only an UNPAID order may be paid") and a version
+//! column (optimistic locking).
+//!
+//! Each guard is one conditional `UPDATE`: two deliveries of the same message, on two
+//! consumers, cannot both pass it, because the database serialises the two updates of
+//! the row and the second finds the row changed. That makes a guard enough on its own
+//! for a handler whose effect *is* that row change (with [`NoStore`](crate::NoStore)),
+//! and a cheap second line behind a claim store for any other.
+//!
+//! * [`StateGuard`] moves a row from one of some states to a target state and answers
+//!   [`StateChange`]: `Applied`, `AlreadyApplied` (the row is in the target state:
+//!   this message, or its twin, got there first), `Conflict(current)`, `NotFound`.
+//! * [`VersionGuard`] applies an update only if the row's version is the one read,
+//!   bumping it, and answers [`VersionChange`]: `Applied`, `Stale(current)`,
+//!   `NotFound`.
+//!
+//! Both run on anything sqlx can acquire a connection from: a pool (`&pool`, the
+//! statement commits on its own), a connection, or a transaction (`&mut *tx`, the
+//! change commits or rolls back with the rest of the handler's writes, as in an
+//! `#[idempotent(transactional)]` handler). Table and column names are checked when
+//! the guard is built (plain identifiers only, quoted in the SQL); every value is a
+//! bound parameter. The key column must identify one row (a primary key or a unique
+//! index): a key matching several rows is an error.
+//!
+//! An answer that is not `Applied` turns into an error that already carries the
+//! class the handler needs ([`StateChange::into_result`], [`VersionChange::into_result`]):
+//! already applied → [`ErrorClass::Duplicate`] (acked as a duplicate, no alert),
+//! conflict and not found → [`ErrorClass::Terminal`], stale → [`ErrorClass::Retryable`]
+//! (read again and retry).
+//!
+//! ```no_run
+//! # async fn pay(pool: sqlx::PgPool, order_id: i64) -> Result<(), Box<dyn std::error::Error>> {
+//! use idempotent_runtime::guard::{StateChange, StateGuard, Table};
+//!
+//! let orders = Table::new("orders", "id")?;
+//! let pay: StateGuard<String> = orders.state("status", ["UNPAID"], "PAID")?;
+//!
+//! let mut tx = pool.begin().await?;
+//! match pay.apply(&mut *tx, order_id).await? {
+//!     StateChange::Applied => { /* charge the card, in the same transaction */ }
+//!     StateChange::AlreadyApplied => return Ok(()), // a duplicate: already paid
+//!     StateChange::Conflict(state) => return Err(format!("order is {state}").into()),
+//!     StateChange::NotFound => return Err("no such order".into()),
+//! }
+//! tx.commit().await?;
+//! # Ok(()) }
+//! ```
+
+use std::fmt;
+use std::future::Future;
+use std::sync::OnceLock;
+
+use sqlx::{Acquire, Arguments, Database, Decode, Encode, SqlStr, Type};
+
+use crate::{Classify, ErrorClass};
+
+#[cfg(feature = "mysql")]
+mod mysql;
+#[cfg(feature = "postgres")]
+mod postgres;
+
+/// How long a table or column name may be: PostgreSQL keeps 63 bytes of a name
+/// (MySQL 64) and would silently cut a longer one.
+pub const MAX_IDENTIFIER_LEN: usize = 63;
+
+/// A table or column name that is not a plain identifier.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error(
+    "`{0}` is not a plain SQL identifier: use ASCII letters, digits and `_`, not starting with \
+     a digit, at most 63 bytes (a table may be `schema.table`)"
+)]
+pub struct InvalidIdentifier(pub String);
+
+use sealed::Ident;
+
+impl Ident {
+    fn new(name: &str) -> Result<Self, InvalidIdentifier> {
+        let plain = name.len() <= MAX_IDENTIFIER_LEN
+            && name.chars().next().is_some_and(|c| c.is_ascii_alphabetic() || c == '_')
+            && name.chars().all(|c| c.is_ascii_alphanumeric() || c == '_');
+        if plain { Ok(Ident(name.to_owned())) } else { Err(InvalidIdentifier(name.to_owned())) }
+    }
+}
+
+/// A table and the column that identifies its rows; guards on its columns are made
+/// from it.
+///
+/// ```
+/// use idempotent_runtime::guard::Table;
+///
+/// let stock = Table::new("shop.stock", "sku").unwrap();
+/// assert!(Table::new("stock; DROP TABLE stock", "sku").is_err());
+/// assert!(stock.versioned("version").is_ok());
+/// ```
+#[derive(Debug, Clone)]
+pub struct Table {
+    /// `name` or `schema`, `name`.
+    path: Vec<Ident>,
+    key: Ident,
+}
+
+impl Table {
+    /// The table `name` (or `schema.name`) whose rows are found by `key_column`, which
+    /// must be unique (a primary key or a unique index).
+    pub fn new(name: &str, key_column: &str) -> Result<Self, InvalidIdentifier> {
+        let parts: Vec<&str> = name.split('.').collect();
+        if parts.len() > 2 {
+            return Err(InvalidIdentifier(name.to_owned()));
+        }
+        let path = parts
+            .into_iter()
+            .map(Ident::new)
+            .collect::<Result<_, _>>()
+            .map_err(|_| InvalidIdentifier(name.to_owned()))?;
+        Ok(Table { path, key: Ident::new(key_column)? })
+    }
+
+    /// A guard that moves `column` from one of the `from` states to `to`.
+    ///
+    /// `S` is the column's Rust type: `String` for text columns, or your own
+    /// `sqlx::Type` enum for a PostgreSQL enum type or a MySQL `ENUM`.
+    pub fn state<S>(
+        &self,
+        column: &str,
+        from: impl IntoIterator<Item = impl Into<S>>,
+        to: impl Into<S>,
+    ) -> Result<StateGuard<S>, InvalidIdentifier> {
+        let from: Vec<S> = from.into_iter().map(Into::into).collect();
+        if from.is_empty() {
+            return Err(InvalidIdentifier(format!("{column} (from no state)")));
+        }
+        Ok(StateGuard {
+            table: self.clone(),
+            column: Ident::new(column)?,
+            from,
+            to: to.into(),
+            sql: Statements::default(),
+        })
+    }
+
+    /// A guard on the integer version column `column`.
+    pub fn versioned(&self, column: &str) -> Result<VersionGuard, InvalidIdentifier> {
+        Ok(VersionGuard { table: self.clone(), version: Ident::new(column)? })
+    }
+}
+
+/// What a [`StateGuard`] found.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum StateChange<S> {
+    /// The row was in one of the `from` states and is now in `to`.
+    Applied,
+    /// The row was in `to` already: this message's effect (or a twin's) happened.
+    AlreadyApplied,
+    /// The row is in another state, which forbids the change.
+    Conflict(S),
+    /// No row has this key.
+    NotFound,
+}
+
+impl<S> StateChange<S> {
+    /// `Ok` when applied; otherwise the refusal as an error classified for a handler.
+    pub fn into_result(self) -> Result<(), StateRefused<S>> {
+        match self {
+            StateChange::Applied => Ok(()),
+            StateChange::AlreadyApplied => Err(StateRefused::AlreadyApplied),
+            StateChange::Conflict(state) => Err(StateRefused::Conflict(state)),
+            StateChange::NotFound => Err(StateRefused::NotFound),
+        }
+    }
+}
+
+/// A [`StateGuard`] that did not apply, as a handler error.
+///
+/// Classified: `AlreadyApplied` is [`ErrorClass::Duplicate`] (the message is acked as
+/// a duplicate, without an alert), `Conflict` and `NotFound` are
+/// [`ErrorClass::Terminal`]. Wrap it in your error enum with
+/// `#[idempotent(transparent)]` to keep those classes.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum StateRefused<S> {
+    /// The row was in the target state already.
+    #[error("the change was applied already")]
+    AlreadyApplied,
+    /// The row is in a state that forbids the change.
+    #[error("the row is in state {0:?}, which forbids the change")]
+    Conflict(S),
+    /// No row has the key.
+    #[error("no row has this key")]
+    NotFound,
+}
+
+impl<S> Classify for StateRefused<S> {
+    fn class(&self) -> ErrorClass {
+        match self {
+            StateRefused::AlreadyApplied => ErrorClass::Duplicate,
+            StateRefused::Conflict(_) | StateRefused::NotFound => ErrorClass::Terminal,
+        }
+    }
+}
+
+/// Moves a row's state column from one of some states to a target state in one
+/// conditional `UPDATE`; see the [module documentation](self).
+///
+/// Costs: one statement when the change applies or the row is already in the target
+/// state (on MySQL also when the row is missing); one more, to read the state, on a
+/// conflict (MySQL) or a missing row (PostgreSQL reads it in the same statement). On
+/// PostgreSQL at READ COMMITTED, a row changed by another transaction while the update
+/// waited for its lock is read again, so the answer is about the row as the update
+/// found it. On MySQL the statement sets `LAST_INSERT_ID()` on the connection (it
+/// carries the answer back): read your own inserts' ids from their own results.
+#[derive(Debug)]
+pub struct StateGuard<S> {
+    table: Table,
+    column: Ident,
+    from: Vec<S>,
+    to: S,
+    sql: Statements,
+}
+
+impl<S> StateGuard<S> {
+    /// Moves the row `key` from one of the `from` states to `to`, on `conn` (a
+    /// `&Pool`, a `&mut` connection, or `&mut *tx` to do it inside a transaction).
+    // Not an `async fn`: a future spelled `Send + 'a` is what lets callers spawn it
+    // (sqlx's documented way around "`Acquire` is not general enough").
+    #[allow(clippy::manual_async_fn)]
+    pub fn apply<'a, 'c, A, K>(
+        &'a self,
+        conn: A,
+        key: K,
+    ) -> impl Future<Output = Result<StateChange<S>, sqlx::Error>> + Send + 'a
+    where
+        A: Acquire<'c> + Send + 'a,
+        A::Database: GuardDatabase,
+        S: Value<A::Database> + for<'r> Decode<'r, A::Database> + PartialEq + Unpin,
+        K: Value<A::Database> + 'a,
+    {
+        async move {
+            let mut conn = conn.acquire().await?;
+            <A::Database as GuardDatabase>::change_state(&mut conn, self, &key).await
+        }
+    }
+}
+
+/// Applies an update only if the row's version column still holds the version read,
+/// bumping it by one; see the [module documentation](self).
+///
+/// Costs: one statement when the update applies, two when it does not (the second
+/// reads the current version, with a locking read on MySQL so that a REPEATABLE READ
+/// snapshot does not answer with an old one).
+#[derive(Debug, Clone)]
+pub struct VersionGuard {
+    table: Table,
+    version: Ident,
+}
+
+impl VersionGuard {
+    /// Starts an update that sets `column` to `value` (add more with
+    /// [`Update::set`]); [`Update::apply`] runs it.
+    pub fn set<DB, T>(&self, column: &str, value: T) -> Update<'_, DB>
+    where
+        DB: GuardDatabase,
+        T: Value<DB>,
+    {
+        Update { guard: self, columns: Vec::new(), args: Ok(DB::Arguments::default()) }
+            .set(column, value)
+    }
+}
+
+/// An update under a [`VersionGuard`], built column by column.
+pub struct Update<'g, DB: Database> {
+    guard: &'g VersionGuard,
+    columns: Vec<Ident>,
+    /// The first mistake (a bad column name, a value that would not encode), reported
+    /// by `apply` so that the chain needs one `?`.
+    args: Result<DB::Arguments, sqlx::Error>,
+}
+
+impl<DB: Database> fmt::Debug for Update<'_, DB> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Update")
+            .field("guard", self.guard)
+            .field("columns", &self.columns)
+            .field("error", &self.args.as_ref().err())
+            .finish()
+    }
+}
+
+impl<'g, DB: GuardDatabase> Update<'g, DB> {
+    /// Also sets `column` to `value`. The version column itself is the guard's to bump.
+    pub fn set<T: Value<DB>>(mut self, column: &str, value: T) -> Self {
+        let column = Ident::new(column).map_err(|e| sqlx::Error::Configuration(e.into()));
+        self.args = match (self.args, column) {
+            (Ok(_), Ok(column)) if column == self.guard.version => Err(sqlx::Error::Configuration(
+                format!("`{}` is the version column, which the guard bumps", column.0).into(),
+            )),
+            (Ok(mut args), Ok(column)) => match args.add(value) {
+                Ok(()) => {
+                    self.columns.push(column);
+                    Ok(args)
+                }
+                Err(e) => Err(sqlx::Error::Encode(e)),
+            },
+            (Err(e), _) | (_, Err(e)) => Err(e),
+        };
+        self
+    }
+
+    /// Applies the update to the row `key` if its version is `version`, and bumps the
+    /// version; on `conn` (a `&Pool`, a `&mut` connection or `&mut *tx`).
+    #[allow(clippy::manual_async_fn)] // as `StateGuard::apply`
+    pub fn apply<'c, A, K>(
+        self,
+        conn: A,
+        key: K,
+        version: i64,
+    ) -> impl Future<Output = Result<VersionChange, sqlx::Error>> + Send + 'g
+    where
+        A: Acquire<'c, Database = DB> + Send + 'g,
+        K: Value<DB> + 'g,
+    {
+        async move {
+            let args = self.args?;
+            let mut conn = conn.acquire().await?;
+            DB::update_versioned(&mut conn, self.guard, &self.columns, args, &key, version).await
+        }
+    }
+}
+
+/// What a [`VersionGuard`] found.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum VersionChange {
+    /// The version matched: the update applied and the version is one higher.
+    Applied,
+    /// Another writer got there first: the row's version is now this one.
+    Stale(i64),
+    /// No row has this key.
+    NotFound,
+}
+
+impl VersionChange {
+    /// `Ok` when applied; otherwise the refusal as an error classified for a handler.
+    pub fn into_result(self) -> Result<(), VersionRefused> {
+        match self {
+            VersionChange::Applied => Ok(()),
+            VersionChange::Stale(version) => Err(VersionRefused::Stale(version)),
+            VersionChange::NotFound => Err(VersionRefused::NotFound),
+        }
+    }
+}
+
+/// A [`VersionGuard`] that did not apply, as a handler error.
+///
+/// Classified: `Stale` is [`ErrorClass::Retryable`] (the next attempt reads the row
+/// again), `NotFound` is [`ErrorClass::Terminal`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum VersionRefused {
+    /// Another writer changed the row since it was read.
+    #[error("the row changed since it was read (its version is now {0})")]
+    Stale(i64),
+    /// No row has the key.
+    #[error("no row has this key")]
+    NotFound,
+}
+
+impl Classify for VersionRefused {
+    fn class(&self) -> ErrorClass {
+        match self {
+            VersionRefused::Stale(_) => ErrorClass::Retryable,
+            VersionRefused::NotFound => ErrorClass::Terminal,
+        }
+    }
+}
+
+/// A value a guard can bind: a key, a state, a column's new value.
+pub trait Value<DB: Database>: for<'q> Encode<'q, DB> + Type<DB> + Send + Sync {}
+
+impl<DB: Database, T> Value<DB> for T where T: for<'q> Encode<'q, DB> + Type<DB> + Send + Sync {}
+
+/// A database the guards speak: `Postgres` (feature `postgres`) and `MySql` (feature
+/// `mysql`). Sealed; its methods are the guards' own SQL.
+pub trait GuardDatabase: Database + sealed::Sealed {
+    #[doc(hidden)]
+    fn change_state<'a, S, K>(
+        conn: &'a mut Self::Connection,
+        guard: &'a StateGuard<S>,
+        key: &'a K,
+    ) -> impl Future<Output = Result<StateChange<S>, sqlx::Error>> + Send + 'a
+    where
+        S: Value<Self> + for<'r> Decode<'r, Self> + PartialEq + Unpin,
+        K: Value<Self>;
+
+    #[doc(hidden)]
+    fn update_versioned<'a, K>(
+        conn: &'a mut Self::Connection,
+        guard: &'a VersionGuard,
+        columns: &'a [Ident],
+        args: Self::Arguments,
+        key: &'a K,
+        version: i64,
+    ) -> impl Future<Output = Result<VersionChange, sqlx::Error>> + Send + 'a
+    where
+        K: Value<Self>;
+}
+
+mod sealed {
+    /// A validated identifier: written into SQL text, quoted, so it must be plain.
+    #[derive(Debug, Clone, PartialEq, Eq)]
+    pub struct Ident(pub(super) String);
+
+    pub trait Sealed {}
+    #[cfg(feature = "postgres")]
+    impl Sealed for sqlx::Postgres {}
+    #[cfg(feature = "mysql")]
+    impl Sealed for sqlx::MySql {}
+}
+
+/// A state guard's SQL, built on first use for each database.
+#[derive(Debug, Default)]
+struct Statements {
+    #[cfg(feature = "postgres")]
+    postgres: OnceLock<SqlStr>,
+    #[cfg(feature = "mysql")]
+    mysql: OnceLock<SqlStr>,
+}
+
+/// The error for a key column that matched `n` rows.
+fn not_unique(table: &Table, n: u64) -> sqlx::Error {
+    let name: Vec<&str> = table.path.iter().map(|i| i.0.as_str()).collect();
+    sqlx::Error::Configuration(
+        format!(
+            "the key `{}` matched {n} rows of `{}`: a guard's key column must be unique",
+            table.key.0,
+            name.join(".")
+        )
+        .into(),
+    )
+}
+
+/// The error for a state column holding NULL, which no guard's `from` can match.
+fn null_state(column: &Ident) -> sqlx::Error {
+    sqlx::Error::Decode(format!("the row's `{column}` is NULL, which no state guard allows").into())
+}
+
+/// `table`'s name and the identifiers, quoted with `quote` (`"` or `` ` ``).
+fn quoted(ident: &Ident, quote: char) -> String {
+    format!("{quote}{}{quote}", ident.0)
+}
+
+fn quoted_table(table: &Table, quote: char) -> String {
+    table.path.iter().map(|i| quoted(i, quote)).collect::<Vec<_>>().join(".")
+}
+
+impl fmt::Display for Ident {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}

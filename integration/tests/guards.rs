@@ -1,0 +1,336 @@
+//! The business-state guards (`idempotent::guard`) against the machine's PostgreSQL
+//! (`DATABASE_URL`) and MySQL or MariaDB (`MYSQL_URL`): every answer, inside and
+//! outside transactions, concurrent deliveries of one change, optimistic increments
+//! from several writers, and names and values a producer or a careless caller might
+//! pass. The same cases run on both databases.
+
+#[path = "support/mysql.rs"]
+mod mysql;
+#[path = "support/postgres.rs"]
+mod postgres;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use idempotent::guard::{
+    StateChange, StateGuard, StateRefused, Table, VersionChange, VersionRefused,
+};
+use idempotent::{Classify, Disposition, DispositionExt, ErrorClass, NoStore, Outcome, idempotent};
+
+/// A handler error as users write it: the guards' refusals and sqlx's errors keep
+/// their own classes.
+#[derive(Debug, thiserror::Error, Classify)]
+enum PayError {
+    #[error(transparent)]
+    #[idempotent(transparent)]
+    Db(#[from] sqlx::Error),
+    #[error(transparent)]
+    #[idempotent(transparent)]
+    Refused(#[from] StateRefused<String>),
+}
+
+#[test]
+fn names_that_are_not_plain_identifiers_are_refused() {
+    for bad in ["", "1orders", "orders; DROP TABLE x", "a.b.c", "or\"ders", "ord`ers", "é", "a-b"]
+    {
+        assert!(Table::new(bad, "id").is_err(), "table {bad:?} was accepted");
+        assert!(Table::new("orders", bad).is_err(), "key column {bad:?} was accepted");
+        let orders = Table::new("orders", "id").unwrap();
+        assert!(orders.state::<String>(bad, ["A"], "B").is_err(), "column {bad:?} was accepted");
+        assert!(orders.versioned(bad).is_err(), "version column {bad:?} was accepted");
+    }
+    assert!(Table::new(&"a".repeat(64), "id").is_err());
+    assert!(Table::new(&"a".repeat(63), "id").is_ok());
+    assert!(Table::new("shop.orders", "id").is_ok());
+    let orders = Table::new("orders", "id").unwrap();
+    assert!(orders.state::<String>("status", Vec::<String>::new(), "PAID").is_err());
+}
+
+#[test]
+fn refusals_carry_the_class_a_handler_needs() {
+    assert_eq!(StateRefused::<String>::AlreadyApplied.class(), ErrorClass::Duplicate);
+    assert_eq!(StateRefused::Conflict("CANCELLED".to_string()).class(), ErrorClass::Terminal);
+    assert_eq!(StateRefused::<String>::NotFound.class(), ErrorClass::Terminal);
+    assert_eq!(VersionRefused::Stale(3).class(), ErrorClass::Retryable);
+    assert_eq!(VersionRefused::NotFound.class(), ErrorClass::Terminal);
+    assert_eq!(StateChange::<String>::Applied.into_result(), Ok(()));
+    assert_eq!(VersionChange::Stale(4).into_result(), Err(VersionRefused::Stale(4)));
+}
+
+/// The cases, written once, for a database type, its test pool, and its quote for
+/// identifiers in the test's own DDL.
+macro_rules! guard_cases {
+    ($module:ident, $db:ty, $pool:expr, $quote:literal) => {
+        mod $module {
+            use super::*;
+
+            type Pool = sqlx::Pool<$db>;
+
+            async fn pool(connections: u32) -> Option<Pool> {
+                $pool(connections).await
+            }
+
+            async fn exec(pool: &Pool, sql: String) {
+                sqlx::raw_sql(sqlx::AssertSqlSafe(sql)).execute(pool).await.unwrap();
+            }
+
+            /// A table `(id, status, stock, version)` holding `rows` as
+            /// `(id, status)`, each with stock 10 at version 1.
+            async fn orders(pool: &Pool, rows: &[(i64, &str)]) -> String {
+                let table = super::mysql::table("guard_orders");
+                exec(
+                    pool,
+                    format!(
+                        "CREATE TABLE {table} (id BIGINT PRIMARY KEY, status VARCHAR(64) NOT NULL, \
+                         stock BIGINT NOT NULL, version BIGINT NOT NULL)"
+                    ),
+                )
+                .await;
+                for (id, status) in rows {
+                    exec(pool, format!("INSERT INTO {table} VALUES ({id}, '{status}', 10, 1)")).await;
+                }
+                table
+            }
+
+            async fn status(pool: &Pool, table: &str, id: i64) -> String {
+                let sql = format!("SELECT status FROM {table} WHERE id = {id}");
+                sqlx::query_scalar(sqlx::AssertSqlSafe(sql)).fetch_one(pool).await.unwrap()
+            }
+
+            async fn stock(pool: &Pool, table: &str, id: i64) -> (i64, i64) {
+                let sql = format!("SELECT stock, version FROM {table} WHERE id = {id}");
+                sqlx::query_as(sqlx::AssertSqlSafe(sql)).fetch_one(pool).await.unwrap()
+            }
+
+            async fn drop_table(pool: &Pool, table: &str) {
+                exec(pool, format!("DROP TABLE {table}")).await;
+            }
+
+            fn pay(table: &str) -> StateGuard<String> {
+                Table::new(table, "id").unwrap().state("status", ["UNPAID", "PENDING"], "PAID").unwrap()
+            }
+
+            #[tokio::test]
+            async fn a_state_guard_answers_each_case() {
+                let Some(pool) = pool(4).await else { return };
+                let rows = [(1, "UNPAID"), (2, "PENDING"), (3, "PAID"), (4, "CANCELLED")];
+                let table = orders(&pool, &rows).await;
+                let pay = pay(&table);
+
+                assert_eq!(pay.apply(&pool, 1_i64).await.unwrap(), StateChange::Applied);
+                assert_eq!(status(&pool, &table, 1).await, "PAID");
+                assert_eq!(pay.apply(&pool, 1_i64).await.unwrap(), StateChange::AlreadyApplied);
+                assert_eq!(pay.apply(&pool, 2_i64).await.unwrap(), StateChange::Applied);
+                assert_eq!(pay.apply(&pool, 3_i64).await.unwrap(), StateChange::AlreadyApplied);
+                assert_eq!(
+                    pay.apply(&pool, 4_i64).await.unwrap(),
+                    StateChange::Conflict("CANCELLED".to_string())
+                );
+                assert_eq!(status(&pool, &table, 4).await, "CANCELLED");
+                assert_eq!(pay.apply(&pool, 99_i64).await.unwrap(), StateChange::NotFound);
+                drop_table(&pool, &table).await;
+            }
+
+            #[tokio::test]
+            async fn a_state_change_rolls_back_with_its_transaction() {
+                let Some(pool) = pool(4).await else { return };
+                let table = orders(&pool, &[(1, "UNPAID")]).await;
+                let pay = pay(&table);
+                let mut tx = pool.begin().await.unwrap();
+                assert_eq!(pay.apply(&mut *tx, 1_i64).await.unwrap(), StateChange::Applied);
+                assert_eq!(pay.apply(&mut *tx, 1_i64).await.unwrap(), StateChange::AlreadyApplied);
+                tx.rollback().await.unwrap();
+                assert_eq!(status(&pool, &table, 1).await, "UNPAID");
+
+                let mut tx = pool.begin().await.unwrap();
+                assert_eq!(pay.apply(&mut *tx, 1_i64).await.unwrap(), StateChange::Applied);
+                tx.commit().await.unwrap();
+                assert_eq!(status(&pool, &table, 1).await, "PAID");
+                drop_table(&pool, &table).await;
+            }
+
+            /// Sixteen deliveries of one "pay" message, each in its own transaction
+            /// that holds the row a while: exactly one applies, and every other one
+            /// says "already applied", not "conflict" (on PostgreSQL the later ones
+            /// wait for the first to commit and then see a snapshot older than it).
+            #[tokio::test]
+            async fn concurrent_deliveries_apply_a_state_change_once() {
+                let Some(pool) = pool(17).await else { return };
+                let table = orders(&pool, &[(1, "UNPAID")]).await;
+                let pay = Arc::new(pay(&table));
+                let mut tasks = Vec::new();
+                for _ in 0..16 {
+                    let (pool, pay) = (pool.clone(), pay.clone());
+                    tasks.push(tokio::spawn(async move {
+                        let mut tx = pool.begin().await.unwrap();
+                        let answer = pay.apply(&mut *tx, 1_i64).await.unwrap();
+                        tokio::time::sleep(Duration::from_millis(30)).await;
+                        tx.commit().await.unwrap();
+                        answer
+                    }));
+                }
+                let mut answers = Vec::new();
+                for task in tasks {
+                    answers.push(task.await.unwrap());
+                }
+                let applied = answers.iter().filter(|a| **a == StateChange::Applied).count();
+                let already = answers.iter().filter(|a| **a == StateChange::AlreadyApplied).count();
+                assert_eq!((applied, already), (1, 15), "{answers:?}");
+                drop_table(&pool, &table).await;
+            }
+
+            /// A state that reads like SQL is stored as it is, and the table is intact.
+            #[tokio::test]
+            async fn hostile_values_are_bound_not_spliced() {
+                let Some(pool) = pool(4).await else { return };
+                let table = orders(&pool, &[(1, "UNPAID")]).await;
+                let evil = format!("x'); DROP TABLE {table}; -- \\ \" `");
+                let guard: StateGuard<String> =
+                    Table::new(&table, "id").unwrap().state("status", ["UNPAID"], evil.clone()).unwrap();
+                assert_eq!(guard.apply(&pool, 1_i64).await.unwrap(), StateChange::Applied);
+                assert_eq!(status(&pool, &table, 1).await, evil);
+                drop_table(&pool, &table).await;
+            }
+
+            /// Names are quoted: reserved words work as columns.
+            #[tokio::test]
+            async fn reserved_words_work_as_names() {
+                let Some(pool) = pool(4).await else { return };
+                let table = super::mysql::table("guard_reserved");
+                let q = $quote;
+                exec(
+                    &pool,
+                    format!(
+                        "CREATE TABLE {table} ({q}select{q} VARCHAR(8) PRIMARY KEY, \
+                         {q}order{q} VARCHAR(8) NOT NULL, {q}group{q} BIGINT NOT NULL)"
+                    ),
+                )
+                .await;
+                exec(&pool, format!("INSERT INTO {table} VALUES ('a', 'NEW', 1)")).await;
+                let rows = Table::new(&table, "select").unwrap();
+                let guard: StateGuard<String> = rows.state("order", ["NEW"], "SHIPPED").unwrap();
+                assert_eq!(guard.apply(&pool, "a").await.unwrap(), StateChange::Applied);
+                let version = rows.versioned("group").unwrap();
+                let change = version.set("order", "DONE").apply(&pool, "a", 1).await.unwrap();
+                assert_eq!(change, VersionChange::Applied);
+                assert_eq!(version.set("order", "X").apply(&pool, "a", 1).await.unwrap(), VersionChange::Stale(2));
+                drop_table(&pool, &table).await;
+            }
+
+            /// A key column that is not unique is a mistake the guard reports instead
+            /// of answering for one of the rows.
+            #[tokio::test]
+            async fn a_key_matching_several_rows_is_an_error() {
+                let Some(pool) = pool(4).await else { return };
+                let table = super::mysql::table("guard_dupes");
+                exec(&pool, format!("CREATE TABLE {table} (id BIGINT NOT NULL, status VARCHAR(8) NOT NULL, version BIGINT NOT NULL)")).await;
+                exec(&pool, format!("INSERT INTO {table} VALUES (1, 'PAID', 1), (1, 'PAID', 1)")).await;
+                let rows = Table::new(&table, "id").unwrap();
+                let pay: StateGuard<String> = rows.state("status", ["UNPAID"], "PAID").unwrap();
+                let error = pay.apply(&pool, 1_i64).await.unwrap_err();
+                assert!(error.to_string().contains("must be unique"), "{error}");
+                let error = rows.versioned("version").unwrap().set("status", "X").apply(&pool, 1_i64, 7).await.unwrap_err();
+                assert!(error.to_string().contains("must be unique"), "{error}");
+                drop_table(&pool, &table).await;
+            }
+
+            #[tokio::test]
+            async fn a_version_guard_answers_each_case() {
+                let Some(pool) = pool(4).await else { return };
+                let table = orders(&pool, &[(1, "UNPAID")]).await;
+                let guard = Table::new(&table, "id").unwrap().versioned("version").unwrap();
+
+                let change = guard.set("stock", 9_i64).set("status", "RESERVED").apply(&pool, 1_i64, 1).await;
+                assert_eq!(change.unwrap(), VersionChange::Applied);
+                assert_eq!(stock(&pool, &table, 1).await, (9, 2));
+                assert_eq!(status(&pool, &table, 1).await, "RESERVED");
+                let stale = guard.set("stock", 8_i64).apply(&pool, 1_i64, 1).await.unwrap();
+                assert_eq!(stale, VersionChange::Stale(2));
+                assert_eq!(guard.set("stock", 8_i64).apply(&pool, 2_i64, 1).await.unwrap(), VersionChange::NotFound);
+
+                // Mistakes in the update are errors, and change nothing.
+                let bump = guard.set("stock", 0_i64).set("version", 100_i64).apply(&pool, 1_i64, 2).await;
+                assert!(bump.unwrap_err().to_string().contains("version column"));
+                let bad = guard.set("stock; DROP TABLE x", 0_i64).apply(&pool, 1_i64, 2).await;
+                assert!(bad.unwrap_err().to_string().contains("not a plain SQL identifier"));
+                assert_eq!(stock(&pool, &table, 1).await, (9, 2));
+                drop_table(&pool, &table).await;
+            }
+
+            /// Eight writers each take 25 units off one row by read, compute, guarded
+            /// write, rereading on `Stale`: no write is lost and none applies twice.
+            #[tokio::test]
+            async fn optimistic_writers_lose_no_update() {
+                let Some(pool) = pool(8).await else { return };
+                let table = orders(&pool, &[(1, "OPEN")]).await;
+                exec(&pool, format!("UPDATE {table} SET stock = 200")).await;
+                let guard = Arc::new(Table::new(&table, "id").unwrap().versioned("version").unwrap());
+                let mut tasks = Vec::new();
+                for _ in 0..8 {
+                    let (pool, guard, table) = (pool.clone(), guard.clone(), table.clone());
+                    tasks.push(tokio::spawn(async move {
+                        let mut stale = 0;
+                        for _ in 0..25 {
+                            loop {
+                                let (left, version) = stock(&pool, &table, 1).await;
+                                let change = guard.set("stock", left - 1).apply(&pool, 1_i64, version).await.unwrap();
+                                match change {
+                                    VersionChange::Applied => break,
+                                    VersionChange::Stale(now) => {
+                                        assert!(now > version, "stale at {now}, read {version}");
+                                        stale += 1;
+                                    }
+                                    VersionChange::NotFound => panic!("the row went away"),
+                                }
+                            }
+                        }
+                        stale
+                    }));
+                }
+                let mut stale = 0;
+                for task in tasks {
+                    stale += task.await.unwrap();
+                }
+                assert_eq!(stock(&pool, &table, 1).await, (0, 201), "after {stale} stale reads");
+                drop_table(&pool, &table).await;
+            }
+
+            /// A handler guarded only by the row's state, on `NoStore`: the first
+            /// delivery applies, a redelivery is acked as a duplicate without an
+            /// alert, a forbidden change is dead-lettered, and a rolled-back attempt
+            /// leaves the order payable.
+            #[tokio::test]
+            async fn a_handler_on_no_store_takes_its_answers_from_the_guard() {
+                let Some(pool) = pool(4).await else { return };
+                let table = orders(&pool, &[(1, "UNPAID"), (2, "CANCELLED")]).await;
+                let guard = pay(&table);
+
+                #[idempotent(key = "order:{id}", store = NoStore)]
+                async fn pay_order(id: i64, pool: &Pool, guard: &StateGuard<String>, fail: bool) -> Result<(), PayError> {
+                    let mut tx = pool.begin().await?;
+                    guard.apply(&mut *tx, id).await?.into_result()?;
+                    if fail {
+                        return Err(sqlx::Error::PoolTimedOut.into());
+                    }
+                    tx.commit().await?;
+                    Ok(())
+                }
+
+                let failed = pay_order(1, &pool, &guard, true).await;
+                assert_eq!(failed.disposition(), Disposition::Retry);
+                assert_eq!(status(&pool, &table, 1).await, "UNPAID");
+                let first = pay_order(1, &pool, &guard, false).await;
+                assert_eq!(first.unwrap(), Outcome::Processed(()));
+                let again = pay_order(1, &pool, &guard, false).await;
+                assert_eq!(again.unwrap(), Outcome::Duplicate);
+                let cancelled = pay_order(2, &pool, &guard, false).await;
+                assert_eq!(cancelled.disposition(), Disposition::DeadLetter);
+                assert_eq!(status(&pool, &table, 2).await, "CANCELLED");
+                drop_table(&pool, &table).await;
+            }
+        }
+    };
+}
+
+guard_cases!(on_postgres, sqlx::Postgres, postgres::pool, '"');
+guard_cases!(on_mysql, sqlx::MySql, mysql::pool, '`');
