@@ -284,6 +284,8 @@ pub use idempotent_runtime::{
     set_default_store,
 };
 
+pub use idempotent_runtime::delivery;
+
 #[cfg(feature = "testing")]
 #[cfg_attr(docsrs, doc(cfg(feature = "testing")))]
 pub use idempotent_runtime::{store_suite, testing};

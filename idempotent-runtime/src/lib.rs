@@ -28,6 +28,7 @@ mod classify;
     )))
 )]
 pub mod consume;
+pub mod delivery;
 mod error;
 pub mod execute;
 #[cfg(any(feature = "postgres", feature = "mysql"))]

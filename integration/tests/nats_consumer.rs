@@ -313,3 +313,34 @@ async fn a_message_waiting_for_a_second_call_is_not_redelivered_meanwhile() {
     assert_eq!(calls.get("b"), Some(&1), "b was handed out again while held: {calls:?}");
     setup.delete().await;
 }
+
+/// Fails every time, retryably, on `NoStore`, noting the delivery count it ran at.
+#[idempotent(key = "{/id}", store = idempotent::NoStore, max_attempts = 3)]
+async fn nats_always_flaky(
+    msg: NatsMessage,
+    seen: &Mutex<Vec<Option<u32>>>,
+) -> Result<(), std::io::Error> {
+    seen.lock().unwrap().push(idempotent::delivery::delivery_count());
+    Err(std::io::ErrorKind::TimedOut.into())
+}
+
+/// `NoStore` keeps no attempt count; the attempt is the server's delivery count, so
+/// `max_attempts` still dead-letters a message that keeps failing retryably.
+#[tokio::test]
+async fn on_no_store_the_attempt_is_the_delivery_count() {
+    let config = pull::Config { ack_wait: Duration::from_secs(5), ..Default::default() };
+    let Some(setup) = Setup::new(config).await else { return };
+    setup.publish(1).await;
+    let mut consumer = setup.consumer().await.retry_delay(Duration::from_millis(50));
+    let seen = Mutex::new(Vec::new());
+    let mut settled = Vec::new();
+    for _ in 0..3 {
+        let next = consumer.next(|m| nats_always_flaky(m, &seen));
+        settled.push(tokio::time::timeout(Duration::from_secs(10), next).await.unwrap());
+    }
+    let settled: Vec<_> = settled.into_iter().map(|s| s.unwrap().unwrap()).collect();
+    assert_eq!(settled, [Disposition::Retry, Disposition::Retry, Disposition::DeadLetter]);
+    assert_eq!(*seen.lock().unwrap(), [Some(1), Some(2), Some(3)]);
+    assert!(setup.dead_letter().await.is_some());
+    setup.delete().await;
+}

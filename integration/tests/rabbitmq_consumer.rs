@@ -318,3 +318,41 @@ async fn a_key_delivered_twice_settles_both_in_one_pass() {
     assert_eq!(*settled.lock().unwrap(), vec![Disposition::Ack, Disposition::Ack]);
     assert_eq!(*effects.lock().unwrap(), 1);
 }
+
+/// Fails every time, retryably, on `NoStore`, noting the delivery count it ran at.
+#[idempotent(key = "{/id}", store = idempotent::NoStore, max_attempts = 3)]
+async fn rabbit_always_flaky(
+    msg: RabbitMessage,
+    seen: &std::sync::Mutex<Vec<Option<u32>>>,
+) -> Result<(), std::io::Error> {
+    seen.lock().unwrap().push(idempotent::delivery::delivery_count());
+    Err(std::io::ErrorKind::TimedOut.into())
+}
+
+/// On a quorum queue, which counts deliveries, a handler on `NoStore` takes its
+/// attempt from `x-delivery-count`, so `max_attempts` dead-letters a message that
+/// keeps failing retryably.
+#[tokio::test]
+async fn on_no_store_the_attempt_is_the_quorum_queue_delivery_count() {
+    let Some((_connection, channel)) = open().await else { return };
+    let queue = testing::fresh_key("rabbit-quorum").namespace().to_owned();
+    let mut arguments = FieldTable::default();
+    arguments.insert("x-queue-type".into(), AMQPValue::LongString("quorum".into()));
+    let durable = QueueDeclareOptions { durable: true, ..Default::default() };
+    channel.queue_declare(queue.as_str().into(), durable, arguments).await.unwrap();
+    plain_queue(&channel, &format!("{queue}.dead")).await;
+    let (_c, consumer_channel) = open().await.unwrap();
+    let consumer = RabbitConsumer::new(&consumer_channel, &queue, "c").await.unwrap();
+    let mut consumer = consumer.retry_delay(Duration::from_millis(50));
+    publish(&channel, &queue, r#"{"id":1}"#).await;
+    let seen = std::sync::Mutex::new(Vec::new());
+    let mut settled = Vec::new();
+    for _ in 0..3 {
+        let next = consumer.next(|m| rabbit_always_flaky(m, &seen));
+        let next = tokio::time::timeout(Duration::from_secs(10), next).await.unwrap();
+        settled.push(next.unwrap().unwrap());
+    }
+    assert_eq!(settled, [Disposition::Retry, Disposition::Retry, Disposition::DeadLetter]);
+    assert_eq!(*seen.lock().unwrap(), [Some(1), Some(2), Some(3)]);
+    channel.queue_delete(queue.as_str().into(), Default::default()).await.unwrap();
+}

@@ -309,3 +309,38 @@ async fn a_key_delivered_twice_in_one_batch_settles_in_one_poll() {
     assert_eq!(SAME_KEY_RUNS.load(std::sync::atomic::Ordering::SeqCst), 1, "one run");
     delete(&mut conn, &[&stream]).await;
 }
+
+/// Fails every time, retryably, on `NoStore`, noting the delivery count it ran at.
+#[idempotent::idempotent(key = "{/n}", store = idempotent::NoStore, max_attempts = 3)]
+async fn streams_always_flaky(
+    msg: StreamMessage,
+    seen: &Mutex<Vec<Option<u32>>>,
+) -> Result<(), std::io::Error> {
+    seen.lock().unwrap().push(idempotent::delivery::delivery_count());
+    Err(std::io::ErrorKind::TimedOut.into())
+}
+
+/// A handler on `NoStore` takes its attempt from the group's delivery count (read
+/// from the pending list when the entry is reclaimed), so `max_attempts`
+/// dead-letters an entry that keeps failing retryably.
+#[tokio::test]
+async fn on_no_store_the_attempt_is_the_delivery_count() {
+    let Some((stream, mut conn, client)) = stream().await else { return };
+    let consumer = StreamConsumer::new(&client, &stream, "g", "c1").await.unwrap();
+    let consumer =
+        consumer.reclaim_idle(Duration::from_millis(100)).block(Duration::from_millis(50));
+    publish(&mut conn, &stream, 1).await;
+    let seen = Mutex::new(Vec::new());
+    let mut dead = Vec::new();
+    for _ in 0..40 {
+        let polled = consumer.poll(|m| streams_always_flaky(m, &seen)).await.unwrap();
+        dead.extend(polled.dead_lettered);
+        if !dead.is_empty() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(dead.len(), 1, "never dead-lettered; ran at {:?}", seen.lock().unwrap());
+    assert_eq!(*seen.lock().unwrap(), [Some(1), Some(2), Some(3)]);
+    delete(&mut conn, &[&stream, &format!("{stream}:dead")]).await;
+}

@@ -15,6 +15,7 @@ use futures_util::StreamExt as _;
 
 use super::DEFAULT_CONCURRENCY;
 use super::concurrent::settle_concurrently;
+use crate::delivery::with_delivery_count;
 use crate::{Disposition, DispositionExt, Payload, PayloadRef};
 
 /// What can go wrong while consuming: the stream of messages, an acknowledgement, or
@@ -30,6 +31,9 @@ pub struct NatsMessage {
     pub payload: Bytes,
     /// Its headers.
     pub headers: Option<HeaderMap>,
+    /// How many times the server has delivered it, this time included (the reply
+    /// subject's count); the attempt of a handler on [`NoStore`](crate::NoStore).
+    pub delivery_count: Option<u32>,
 }
 
 /// The body is the payload, for `{/json/pointer}` keys and `validate`.
@@ -204,7 +208,9 @@ impl NatsConsumer {
             self.concurrency,
             self.retry_delay,
             |_| None,
-            |held: &Held| handler(held.message.clone()),
+            |held: &Held| {
+                with_delivery_count(held.message.delivery_count, handler(held.message.clone()))
+            },
             |held, disposition| self.settle(held, disposition),
         )
         .await
@@ -230,7 +236,9 @@ impl NatsConsumer {
             Ok(message) => self.held(message),
             Err(e) => return Some(Err(e.into())),
         };
-        let disposition = handler(held.message.clone()).await.disposition();
+        let call = handler(held.message.clone());
+        let disposition =
+            with_delivery_count(held.message.delivery_count, call).await.disposition();
         Some(self.settle(held, disposition).await)
     }
 
@@ -249,6 +257,7 @@ impl NatsConsumer {
                 subject: message.subject.to_string(),
                 payload: message.payload,
                 headers: message.headers,
+                delivery_count: info.and_then(|(delivered, _)| u32::try_from(delivered).ok()),
             },
             acker,
             last_delivery,

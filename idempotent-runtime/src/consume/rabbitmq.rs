@@ -12,6 +12,7 @@ use lapin::{BasicProperties, Channel, Confirmation, ExchangeKind};
 
 use super::DEFAULT_CONCURRENCY;
 use super::concurrent::settle_concurrently;
+use crate::delivery::with_delivery_count;
 use crate::{Disposition, DispositionExt, Payload, PayloadRef};
 
 /// One delivery from a queue.
@@ -23,6 +24,11 @@ pub struct RabbitMessage {
     pub routing_key: String,
     /// Whether the broker delivered it before.
     pub redelivered: bool,
+    /// How many times the broker has delivered it, this time included: 1 for a
+    /// first delivery, `x-delivery-count` plus one on a quorum queue, `None` for a
+    /// redelivery from a classic queue (which does not count). The attempt of a
+    /// handler on [`NoStore`](crate::NoStore).
+    pub delivery_count: Option<u32>,
     /// Its properties and headers.
     pub properties: BasicProperties,
 }
@@ -201,7 +207,9 @@ impl RabbitConsumer {
             self.concurrency,
             self.retry_delay,
             |_| None,
-            |held: &Held| handler(held.message.clone()),
+            |held: &Held| {
+                with_delivery_count(held.message.delivery_count, handler(held.message.clone()))
+            },
             |held, disposition| self.settle(held, disposition),
         )
         .await
@@ -221,7 +229,9 @@ impl RabbitConsumer {
             Ok(delivery) => Held::new(delivery),
             Err(e) => return Some(Err(e)),
         };
-        let disposition = handler(held.message.clone()).await.disposition();
+        let call = handler(held.message.clone());
+        let disposition =
+            with_delivery_count(held.message.delivery_count, call).await.disposition();
         Some(self.settle(held, disposition).await.map(|()| disposition))
     }
 
@@ -342,10 +352,30 @@ impl Held {
                 body: delivery.data,
                 routing_key: delivery.routing_key.to_string(),
                 redelivered: delivery.redelivered,
+                delivery_count: delivery_count(delivery.redelivered, &delivery.properties),
                 properties: delivery.properties,
             },
         }
     }
+}
+
+/// The delivery's count: quorum queues count earlier deliveries in
+/// `x-delivery-count`; a first delivery is 1 anywhere; a classic queue's redelivery
+/// is not counted.
+fn delivery_count(redelivered: bool, properties: &BasicProperties) -> Option<u32> {
+    let earlier = properties.headers().as_ref().and_then(|h| h.inner().get("x-delivery-count"));
+    let earlier = match earlier {
+        Some(AMQPValue::LongLongInt(n)) => u32::try_from(*n).ok(),
+        Some(AMQPValue::LongInt(n)) => u32::try_from(*n).ok(),
+        Some(AMQPValue::LongUInt(n)) => Some(*n),
+        Some(AMQPValue::ShortInt(n)) => u32::try_from(*n).ok(),
+        Some(AMQPValue::ShortUInt(n)) => Some(u32::from(*n)),
+        Some(AMQPValue::ShortShortInt(n)) => u32::try_from(*n).ok(),
+        Some(AMQPValue::ShortShortUInt(n)) => Some(u32::from(*n)),
+        _ if !redelivered => Some(0),
+        _ => None,
+    };
+    earlier.and_then(|n| n.checked_add(1))
 }
 
 /// A delivery handed to a handler and not settled yet; dropped unsettled, it is

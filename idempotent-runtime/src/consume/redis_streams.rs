@@ -7,6 +7,7 @@ use std::time::Duration;
 use redis::aio::ConnectionManager;
 use redis::{RedisResult, Value};
 
+use crate::delivery::with_delivery_count;
 use crate::{Disposition, DispositionExt, Payload, PayloadRef};
 
 /// The entry field a [`StreamMessage`]'s payload is read from, unless configured.
@@ -21,8 +22,10 @@ pub struct StreamMessage {
     /// binary). A name given twice keeps its last value here; the dead-letter copy
     /// keeps every field exactly as it was.
     pub fields: HashMap<String, Vec<u8>>,
-    /// How many times the group has delivered the entry: 1 for a new entry, `None`
-    /// for a reclaimed one (Redis does not say).
+    /// How many times the group has delivered the entry, this time included: 1 for
+    /// a new entry; for one reclaimed from another consumer, the pending list's count
+    /// (`None` if reading it failed). The attempt of a handler on
+    /// [`NoStore`](crate::NoStore).
     pub delivery_count: Option<usize>,
     payload_field: String,
     /// The fields exactly as Redis holds them, in order.
@@ -272,7 +275,9 @@ impl StreamConsumer {
                     settled.into_iter().partition(|s| s.in_progress);
                 settled = done;
                 for mut busy in busy {
-                    let result = handler(self.message(busy.entry.clone())).await;
+                    let count = busy.entry.delivery_count.and_then(|n| u32::try_from(n).ok());
+                    let result =
+                        with_delivery_count(count, handler(self.message(busy.entry.clone()))).await;
                     busy.disposition = result.disposition();
                     settled.push(busy);
                 }
@@ -323,7 +328,8 @@ impl StreamConsumer {
     {
         use futures_util::StreamExt as _;
         let calls = entries.into_iter().map(|entry| {
-            let call = handler(self.message(entry.clone()));
+            let count = entry.delivery_count.and_then(|n| u32::try_from(n).ok());
+            let call = with_delivery_count(count, handler(self.message(entry.clone())));
             async move {
                 let result = call.await;
                 Settled {
@@ -356,7 +362,39 @@ impl StreamConsumer {
         if let Ok(mut saved) = self.cursor.lock() {
             *saved = cursor;
         }
-        Ok(entries.into_iter().map(|e| Entry { delivery_count: None, ..e }).collect())
+        let mut entries: Vec<Entry> =
+            entries.into_iter().map(|e| Entry { delivery_count: None, ..e }).collect();
+        self.count_deliveries(&mut entries).await;
+        Ok(entries)
+    }
+
+    /// Reads reclaimed entries' delivery counts, which `XAUTOCLAIM` does not return,
+    /// from the pending list: one pipelined `XPENDING` per entry, in one round trip
+    /// (a reclaim is the rare path). On an error the counts stay unknown.
+    async fn count_deliveries(&self, entries: &mut [Entry]) {
+        if entries.is_empty() {
+            return;
+        }
+        let mut pipe = redis::pipe();
+        for entry in entries.iter() {
+            pipe.cmd("XPENDING")
+                .arg(&self.stream)
+                .arg(&self.group)
+                .arg(&entry.id)
+                .arg(&entry.id)
+                .arg(1);
+        }
+        let Ok(replies) = pipe.query_async::<Vec<Value>>(&mut self.commands.clone()).await else {
+            return;
+        };
+        for (entry, reply) in entries.iter_mut().zip(replies) {
+            // [[id, consumer, idle ms, delivery count]]
+            let pending = items(reply).into_iter().next().map(items).unwrap_or_default();
+            entry.delivery_count = match pending.get(3) {
+                Some(Value::Int(n)) => usize::try_from(*n).ok(),
+                _ => None,
+            };
+        }
     }
 
     async fn read(&self) -> RedisResult<Vec<Entry>> {

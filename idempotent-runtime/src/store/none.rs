@@ -6,7 +6,7 @@ use async_trait::async_trait;
 
 use crate::{Claim, Fingerprint, Key, Store, StoreError, Token, Transition};
 
-/// Keeps no records: every claim wins, as attempt 1, and every transition applies.
+/// Keeps no records: every claim wins and every transition applies.
 ///
 /// For handlers whose guard is the business state itself: "only an UNPAID order may
 /// be paid" checked and changed in one statement, a unique constraint on the effect's
@@ -15,10 +15,12 @@ use crate::{Claim, Fingerprint, Key, Store, StoreError, Token, Transition};
 /// nothing: a redelivered message runs again, and the guard must turn it away (answer
 /// with an error marked `#[idempotent(duplicate)]` to ack it as a duplicate).
 ///
-/// Without records there is no attempt count across deliveries, so `max_attempts`
-/// cannot stop a message that keeps failing retryably: bound redeliveries in the
-/// broker (`max_deliver` on a NATS JetStream consumer, which `NatsConsumer`
-/// dead-letters at; `x-delivery-limit` on a RabbitMQ quorum queue).
+/// Without records, the attempt is the broker's delivery count where the consumer
+/// loop reports one ([`delivery`](crate::delivery): NATS JetStream, RabbitMQ quorum
+/// queues, Redis Streams), so `max_attempts` still dead-letters a message
+/// that keeps failing retryably; elsewhere every claim is attempt 1, and only the
+/// broker can bound redeliveries (`max_deliver` on a NATS JetStream consumer, which
+/// `NatsConsumer` dead-letters at; `x-delivery-limit` on a RabbitMQ quorum queue).
 ///
 /// ```
 /// # #[tokio::main(flavor = "current_thread")] async fn main() {
@@ -31,6 +33,11 @@ use crate::{Claim, Fingerprint, Key, Store, StoreError, Token, Transition};
 ///     let claim = NoStore.claim(&key, lease, ttl, None).await.unwrap();
 ///     assert!(matches!(claim, Claim::Won { attempt: 1, .. }));
 /// }
+/// // Inside a consumer loop that knows the broker's delivery count:
+/// let third = idempotent_runtime::delivery::with_delivery_count(Some(3), async {
+///     NoStore.claim(&key, lease, ttl, None).await.unwrap()
+/// });
+/// assert!(matches!(third.await, Claim::Won { attempt: 3, .. }));
 /// # }
 /// ```
 #[derive(Debug, Clone, Copy, Default)]
@@ -45,7 +52,8 @@ impl Store for NoStore {
         _: Duration,
         _: Option<&Fingerprint>,
     ) -> Result<Claim, StoreError> {
-        Ok(Claim::Won { token: Token::random(), attempt: 1 })
+        let attempt = crate::delivery::delivery_count().unwrap_or(1).max(1);
+        Ok(Claim::Won { token: Token::random(), attempt })
     }
 
     async fn complete(
