@@ -268,8 +268,8 @@ pub(crate) trait Completion<S: ?Sized> {
 }
 
 /// What is left of the claim once [`Completion::discard`] threw the body's effects away.
-// Only PostgreSQL's in-transaction claim goes with the transaction.
-#[cfg_attr(not(feature = "postgres"), allow(dead_code))]
+// Only the SQL stores' in-transaction claims go with the transaction.
+#[cfg_attr(not(any(feature = "postgres", feature = "mysql")), allow(dead_code))]
 pub(crate) enum Discarded {
     /// The claim stands, under its token.
     Held,

@@ -3,7 +3,9 @@
 //! * (a) `MysqlStore` claim + complete, nothing else;
 //! * (b) a `#[idempotent(transactional)]` handler that inserts one business row;
 //! * (c) the same by hand: one transaction doing `INSERT IGNORE` into a
-//!   processed-keys table, then the business insert, then `COMMIT`.
+//!   processed-keys table, then the business insert, then `COMMIT`;
+//! * (d) (b) on a store whose transactional claims are taken inside the handler's
+//!   transaction (`TransactionalClaim::InTransaction`).
 //!
 //! (c) is the classic inbox table. It has no claim, so concurrent duplicates both
 //! run their handler and one waits on the other's row lock; (b) pays a claim
@@ -18,6 +20,7 @@ use std::sync::OnceLock;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
+use idempotent::mysql_store::TransactionalClaim;
 use idempotent::{Key, MysqlStore, Store, Token, Transition, idempotent};
 use load::{median, throughput};
 use sqlx::mysql::MySqlPoolOptions;
@@ -28,6 +31,7 @@ const TTL: Duration = Duration::from_secs(60);
 const ROUNDS: usize = 3;
 
 static STORE: OnceLock<MysqlStore> = OnceLock::new();
+static INLINE: OnceLock<MysqlStore> = OnceLock::new();
 
 struct Msg {
     id: i64,
@@ -35,6 +39,15 @@ struct Msg {
 
 #[idempotent(key = "{id}", namespace = "bench", ttl = 60, lease = 30, store = STORE.get().unwrap(), transactional)]
 async fn handler(msg: Msg, tx: &mut Transaction<'_, MySql>) -> Result<i64, sqlx::Error> {
+    sqlx::query("INSERT INTO bench_ledger (message_id, amount) VALUES (?, 1)")
+        .bind(msg.id)
+        .execute(&mut **tx)
+        .await?;
+    Ok(msg.id)
+}
+
+#[idempotent(key = "{id}", namespace = "bench-inline", ttl = 60, lease = 30, store = INLINE.get().unwrap(), transactional)]
+async fn inline(msg: Msg, tx: &mut Transaction<'_, MySql>) -> Result<i64, sqlx::Error> {
     sqlx::query("INSERT INTO bench_ledger (message_id, amount) VALUES (?, 1)")
         .bind(msg.id)
         .execute(&mut **tx)
@@ -91,16 +104,17 @@ async fn main() {
     .await
     .unwrap();
     STORE.set(store.clone()).unwrap();
+    INLINE.set(store.clone().with_transactional_claim(TransactionalClaim::InTransaction)).unwrap();
     let next = AtomicU64::new(Token::random().as_u128() as u64 >> 16);
     let ids = move |n: u64| next.fetch_add(n, Ordering::Relaxed) as i64;
 
     println!(
         "| concurrency | (a) store msg/s | (b) transactional msg/s | (c) hand-written msg/s | \
-         (b)/(c) |"
+         (b)/(c) | (d) claim in transaction msg/s | (d)/(c) |"
     );
-    println!("| --- | --- | --- | --- | --- |");
+    println!("| --- | --- | --- | --- | --- | --- | --- |");
     for (concurrency, total) in [(1usize, 2_000u64), (16, 10_000)] {
-        let (mut a, mut b, mut c) = (Vec::new(), Vec::new(), Vec::new());
+        let (mut a, mut b, mut c, mut d) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
         for _ in 0..ROUNDS {
             let (base, store) = (ids(total), store.clone());
             a.push(
@@ -126,8 +140,20 @@ async fn main() {
                 })
                 .await,
             );
+            let base = ids(total);
+            d.push(
+                throughput(concurrency, total, move |i| async move {
+                    let out = inline(Msg { id: base + i as i64 }).await.expect("processed");
+                    assert!(out.is_processed());
+                })
+                .await,
+            );
         }
-        let (a, b, c) = (median(a), median(b), median(c));
-        println!("| {concurrency} | {a:.0} | {b:.0} | {c:.0} | {:.0}% |", 100.0 * b / c);
+        let (a, b, c, d) = (median(a), median(b), median(c), median(d));
+        println!(
+            "| {concurrency} | {a:.0} | {b:.0} | {c:.0} | {:.0}% | {d:.0} | {:.0}% |",
+            100.0 * b / c,
+            100.0 * d / c
+        );
     }
 }

@@ -14,6 +14,7 @@ use std::time::Duration;
 #[path = "support/mysql.rs"]
 mod mysql;
 
+use idempotent::mysql_store::TransactionalClaim;
 use idempotent::{Classify, Error, MysqlStore, Outcome, idempotent};
 use sqlx::{AssertSqlSafe, MySql, Transaction};
 use tokio::sync::Notify;
@@ -72,10 +73,16 @@ struct Bank {
 impl Bank {
     /// Fresh tables; `None` (with a printed reason) when no server answers outside CI.
     async fn open(connections: u32) -> Option<Bank> {
+        Bank::open_with(connections, TransactionalClaim::Committed).await
+    }
+
+    /// As [`Bank::open`], with `claim` as the store's transactional claim.
+    async fn open_with(connections: u32, claim: TransactionalClaim) -> Option<Bank> {
         let pool = mysql::pool(connections).await?;
         let records = mysql::table("records");
         let ledger = records.replacen("records", "ledger", 1);
         let store = MysqlStore::from_pool(pool).with_table(&records).unwrap();
+        let store = store.with_transactional_claim(claim);
         store.migrate().await.unwrap();
         let create = format!(
             "CREATE TABLE {ledger} (message_id bigint NOT NULL, account bigint NOT NULL, \
@@ -206,7 +213,16 @@ async fn deliver_until_settled(
 
 #[tokio::test]
 async fn the_business_write_and_done_commit_together() {
-    let Some(bank) = Bank::open(5).await else { return };
+    the_business_write_and_done_commit_together_with(TransactionalClaim::Committed).await;
+}
+
+#[tokio::test]
+async fn the_business_write_and_done_commit_together_claimed_in_the_transaction() {
+    the_business_write_and_done_commit_together_with(TransactionalClaim::InTransaction).await;
+}
+
+async fn the_business_write_and_done_commit_together_with(claim: TransactionalClaim) {
+    let Some(bank) = Bank::open_with(5, claim).await else { return };
     let msg = debit_of(1);
     assert_eq!(debit(&msg, &bank).await.unwrap(), Outcome::Processed(101));
     assert_eq!(bank.rows(1).await, 1);
@@ -218,7 +234,17 @@ async fn the_business_write_and_done_commit_together() {
 
 #[tokio::test]
 async fn a_retryable_error_or_a_panic_rolls_back_and_releases() {
-    let Some(bank) = Bank::open(5).await else { return };
+    a_retryable_error_or_a_panic_rolls_back_and_releases_with(TransactionalClaim::Committed).await;
+}
+
+#[tokio::test]
+async fn a_retryable_error_or_a_panic_rolls_back_and_releases_claimed_in_the_transaction() {
+    a_retryable_error_or_a_panic_rolls_back_and_releases_with(TransactionalClaim::InTransaction)
+        .await;
+}
+
+async fn a_retryable_error_or_a_panic_rolls_back_and_releases_with(claim: TransactionalClaim) {
+    let Some(bank) = Bank::open_with(5, claim).await else { return };
     let msg = debit_of(2);
     bank.script(&[Fault::Retryable, Fault::Panic]);
     let err = debit(&msg, &bank).await.unwrap_err();
@@ -234,7 +260,16 @@ async fn a_retryable_error_or_a_panic_rolls_back_and_releases() {
 
 #[tokio::test]
 async fn a_terminal_error_rolls_back_and_records_failed() {
-    let Some(bank) = Bank::open(5).await else { return };
+    a_terminal_error_rolls_back_and_records_failed_with(TransactionalClaim::Committed).await;
+}
+
+#[tokio::test]
+async fn a_terminal_error_rolls_back_and_records_failed_claimed_in_the_transaction() {
+    a_terminal_error_rolls_back_and_records_failed_with(TransactionalClaim::InTransaction).await;
+}
+
+async fn a_terminal_error_rolls_back_and_records_failed_with(claim: TransactionalClaim) {
+    let Some(bank) = Bank::open_with(5, claim).await else { return };
     let msg = debit_of(3);
     bank.script(&[Fault::Terminal]);
     let err = debit(&msg, &bank).await.unwrap_err();
@@ -248,7 +283,17 @@ async fn a_terminal_error_rolls_back_and_records_failed() {
 
 #[tokio::test]
 async fn a_crash_between_the_write_and_done_commits_neither() {
-    let Some(bank) = Bank::open(5).await else { return };
+    a_crash_between_the_write_and_done_commits_neither_with(TransactionalClaim::Committed).await;
+}
+
+#[tokio::test]
+async fn a_crash_between_the_write_and_done_commits_neither_claimed_in_the_transaction() {
+    a_crash_between_the_write_and_done_commits_neither_with(TransactionalClaim::InTransaction)
+        .await;
+}
+
+async fn a_crash_between_the_write_and_done_commits_neither_with(claim: TransactionalClaim) {
+    let Some(bank) = Bank::open_with(5, claim).await else { return };
     let msg = debit_of(4);
     bank.script(&[Fault::Hang]);
     {
@@ -274,7 +319,25 @@ async fn a_crash_between_the_write_and_done_commits_neither() {
 /// retryable, and the open transaction (business row and all) dies with the connection.
 #[tokio::test]
 async fn a_connection_killed_mid_handler_is_retryable_and_commits_nothing() {
-    let Some(bank) = Bank::open(5).await else { return };
+    a_connection_killed_mid_handler_is_retryable_and_commits_nothing_with(
+        TransactionalClaim::Committed,
+    )
+    .await;
+}
+
+#[tokio::test]
+async fn a_connection_killed_mid_handler_is_retryable_and_commits_nothing_claimed_in_the_transaction()
+ {
+    a_connection_killed_mid_handler_is_retryable_and_commits_nothing_with(
+        TransactionalClaim::InTransaction,
+    )
+    .await;
+}
+
+async fn a_connection_killed_mid_handler_is_retryable_and_commits_nothing_with(
+    claim: TransactionalClaim,
+) {
+    let Some(bank) = Bank::open_with(5, claim).await else { return };
     let msg = debit_of(5);
     bank.script(&[Fault::AwaitKill]);
     let killer = async {
@@ -311,9 +374,18 @@ async fn a_lost_claim_rolls_the_business_write_back() {
 /// settled goes back on the queue, as a broker would redeliver it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn eight_consumers_apply_each_message_exactly_once() {
+    eight_consumers_with(TransactionalClaim::Committed).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn eight_consumers_apply_each_message_exactly_once_claimed_in_the_transaction() {
+    eight_consumers_with(TransactionalClaim::InTransaction).await;
+}
+
+async fn eight_consumers_with(claim: TransactionalClaim) {
     const UNIQUE: i64 = 4_000;
     const DUPLICATES: i64 = 1_000;
-    let Some(bank) = Bank::open(16).await else { return };
+    let Some(bank) = Bank::open_with(16, claim).await else { return };
     let seed = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap();
     bank.random.store(u64::from(seed.subsec_nanos()) | 1, Ordering::Relaxed);
     println!("fault seed {}", bank.random.load(Ordering::Relaxed));

@@ -11,6 +11,7 @@ use super::sql::{self, PurgeSchedule, millis};
 use crate::{Claim, Fingerprint, Key, Store, StoreError, Token, Transition};
 
 pub use super::sql::{DEFAULT_TABLE, PURGE_BATCH, PURGE_EVERY_CLAIMS, RENEWAL_CONNECTIONS};
+pub use crate::transactional::TransactionalClaim;
 
 /// Records in MySQL 8 or MariaDB 10.6+ (InnoDB), through an `sqlx` pool.
 ///
@@ -40,8 +41,13 @@ pub use super::sql::{DEFAULT_TABLE, PURGE_BATCH, PURGE_EVERY_CLAIMS, RENEWAL_CON
 /// * Complete, release, fail and renew: one `UPDATE ... WHERE key = ? AND state = 'P'
 ///   AND token = ?` each: a consumer whose lease was taken over changes nothing.
 /// * In `transactional` mode: the claim, then `SET TRANSACTION ISOLATION LEVEL READ
-///   COMMITTED; START TRANSACTION` in one round trip, the handler's statements, the DONE update
-///   and `COMMIT`.
+///   COMMITTED; START TRANSACTION` in one round trip, the handler's statements, the
+///   DONE update and `COMMIT`: two commits per message. With
+///   [`TransactionalClaim::InTransaction`] the claim is the transaction's first
+///   statement and writes DONE itself, so the DONE update goes and there is one
+///   commit: `START TRANSACTION`, the claim, the handler's statements, `COMMIT`, the
+///   hand-written inbox's shape (a handler that outlives its lease or caches its
+///   result adds one update to date the record).
 ///
 /// Isolation: the store's own statements are single locking statements (`INSERT ...
 /// ON DUPLICATE KEY UPDATE`, `UPDATE`, `DELETE`) run in autocommit mode, so they read
@@ -97,6 +103,7 @@ pub struct MysqlStore {
     renewals: Arc<OnceLock<MySqlPool>>,
     sql: Arc<Sql>,
     purge: Arc<PurgeSchedule>,
+    transactional_claim: TransactionalClaim,
 }
 
 /// How long one of the store's statements waits for a locked record row on MariaDB
@@ -133,7 +140,20 @@ impl MysqlStore {
             renewals: Arc::default(),
             sql: Arc::new(Sql::new(DEFAULT_TABLE)),
             purge: Arc::default(),
+            transactional_claim: TransactionalClaim::default(),
         }
+    }
+
+    /// Where `transactional` handlers take their claim: [`TransactionalClaim`] says
+    /// what each choice gives and costs. Plain handlers always commit their claim.
+    pub fn with_transactional_claim(mut self, claim: TransactionalClaim) -> MysqlStore {
+        self.transactional_claim = claim;
+        self
+    }
+
+    /// Where `transactional` handlers take their claim.
+    pub fn transactional_claim(&self) -> TransactionalClaim {
+        self.transactional_claim
     }
 
     /// Keeps records in `table` (`name` or `database.name`; letters, digits and `_`).
@@ -202,26 +222,61 @@ impl MysqlStore {
         ttl: Duration,
         fingerprint: Option<&Fingerprint>,
     ) -> Result<Claim, StoreError> {
-        self.maybe_purge();
         self.renewal_pool();
+        let retention = crate::claim_retention(lease, ttl);
+        self.claim_with(Alone, conn, key, lease, retention, fingerprint).await
+    }
+
+    /// [`TransactionalClaim::InTransaction`]'s claim, as a statement of the caller's
+    /// transaction on `conn`: the record is written DONE (kept `ttl` + `lease`), which
+    /// it becomes for everyone else when, and only if, that transaction commits.
+    pub(crate) async fn claim_in_transaction(
+        &self,
+        conn: &mut MySqlConnection,
+        key: &Key,
+        lease: Duration,
+        ttl: Duration,
+        fingerprint: Option<&Fingerprint>,
+    ) -> Result<Claim, StoreError> {
+        let retention = ttl.saturating_add(lease);
+        self.claim_with(InTransaction, conn, key, lease, retention, fingerprint).await
+    }
+
+    /// Runs a claim (see [`claim_sql`]) and reads its verdict.
+    async fn claim_with(
+        &self,
+        mode: ClaimMode,
+        conn: &mut MySqlConnection,
+        key: &Key,
+        lease: Duration,
+        retention: Duration,
+        fingerprint: Option<&Fingerprint>,
+    ) -> Result<Claim, StoreError> {
+        self.maybe_purge();
         let stored = key.stored();
         let mut values = Values {
             key: stored.as_ref(),
             lease: micros(lease),
-            retention: micros(crate::claim_retention(lease, ttl)),
+            retention: micros(retention),
             fingerprint: fingerprint.map(|f| f.as_bytes().as_slice()),
             ..Values::default()
+        };
+        let statement = match mode {
+            Alone => &self.sql.claim,
+            InTransaction => &self.sql.claim_done,
         };
         for _ in 0..10 {
             let token = Token::random();
             values.token = token.as_u128().to_be_bytes();
-            let done = match bind(&self.sql.claim, &values).execute(&mut *conn).await {
+            let done = match bind(statement, &values).execute(&mut *conn).await {
                 Ok(done) => done,
                 // The record row stayed locked for `LOCK_TIMEOUT`: another consumer is
                 // committing it, or died while it was.
                 Err(e) if sql::is_lock_timeout(&e) => return Ok(Claim::InProgress),
-                // Rolled back whole: nothing happened.
-                Err(e) if is_deadlock(&e) => continue,
+                // Rolled back whole, with the transaction it was in: only a claim on
+                // its own can simply be sent again (a later statement on the
+                // connection would run outside any transaction).
+                Err(e) if is_deadlock(&e) && mode == Alone => continue,
                 Err(e) => return Err(sql::store_error(e)),
             };
             let verdict = done.last_insert_id();
@@ -288,6 +343,27 @@ impl MysqlStore {
         self.update(on, &self.sql.finish, &values).await
     }
 
+    /// Dates an in-transaction claim's DONE record from now, with `result`, in the
+    /// transaction on `conn`.
+    pub(crate) async fn redate_done(
+        &self,
+        conn: &mut MySqlConnection,
+        key: &Key,
+        token: Token,
+        ttl: Duration,
+        result: Option<&[u8]>,
+    ) -> Result<Transition, StoreError> {
+        let stored = key.stored();
+        let values = Values {
+            key: stored.as_ref(),
+            token: token.as_u128().to_be_bytes(),
+            ttl: micros(ttl),
+            result,
+            ..Values::default()
+        };
+        self.update(conn, &self.sql.redate, &values).await
+    }
+
     async fn update(
         &self,
         on: impl MySqlExecutor<'_>,
@@ -322,6 +398,14 @@ const MISMATCH: u64 = 5;
 const CACHED: u64 = 1 << 32;
 
 /// Whether the statement was chosen as a deadlock victim (and rolled back).
+/// Whether a claim commits on its own or is a statement of the handler's transaction.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum ClaimMode {
+    Alone,
+    InTransaction,
+}
+use ClaimMode::{Alone, InTransaction};
+
 fn is_deadlock(error: &sqlx::Error) -> bool {
     matches!(error, sqlx::Error::Database(db) if db.code().as_deref() == Some("40001"))
 }
@@ -421,6 +505,11 @@ struct Sql {
     /// reserved word.
     quoted: String,
     claim: Statement,
+    /// The claim that writes DONE at once, inside a handler's transaction.
+    claim_done: Statement,
+    /// Dates an in-transaction claim's DONE record from the handler's completion, with
+    /// its cached result.
+    redate: Statement,
     cached: Statement,
     finish: Statement,
     release: Statement,
@@ -445,7 +534,12 @@ impl Sql {
             format!("`key` = :key AND state = 'P' AND token = :token AND expires_at > {NOW}");
         Sql {
             table: table.to_owned(),
-            claim: Statement::new(&claim_sql(&t)),
+            claim: Statement::new(&claim_sql(&t, 'P')),
+            claim_done: Statement::new(&claim_sql(&t, 'D')),
+            redate: Statement::new(&format!(
+                "{LOCK_WAIT}UPDATE {t} SET expires_at = {NOW} + INTERVAL :ttl MICROSECOND,
+    result = :result WHERE `key` = :key AND state = 'D' AND token = :token"
+            )),
             cached: Statement::new(&format!(
                 "SELECT result FROM {t} WHERE `key` = :key AND state = 'D' AND expires_at > {NOW}"
             )),
@@ -470,7 +564,9 @@ impl Sql {
 }
 
 /// The claim: inserts the record, or takes it over, or leaves it as it is, and says
-/// which through `LAST_INSERT_ID` (see [`VERDICT_SHIFT`]).
+/// which through `LAST_INSERT_ID` (see [`VERDICT_SHIFT`]). A won claim writes `state`:
+/// `P`, in progress under a lease, or `D`, done at once, for a claim inside the
+/// handler's transaction.
 ///
 /// The first assignment decides, on the record as it was, and sets the token when
 /// the claim takes it over; the others act only if that verdict, read back with
@@ -481,11 +577,11 @@ impl Sql {
 /// mode). The parameters are bound again where they are used rather than read with
 /// `VALUES(col)`, which MySQL 8 deprecates, or an `AS new` row alias, which MariaDB
 /// lacks.
-fn claim_sql(t: &str) -> String {
+fn claim_sql(t: &str, state: char) -> String {
     let won = format!("LAST_INSERT_ID() >> {VERDICT_SHIFT} = {WON}");
     format!(
         "{LOCK_WAIT}INSERT INTO {t} (`key`, state, attempts, token, lease_until, expires_at, fingerprint)
-VALUES (:key, 'P', 1, :token, {NOW} + INTERVAL :lease MICROSECOND,
+VALUES (:key, '{state}', 1, :token, {NOW} + INTERVAL :lease MICROSECOND,
         {NOW} + INTERVAL :retention MICROSECOND, :fingerprint)
 ON DUPLICATE KEY UPDATE
     token = IF(LAST_INSERT_ID(CASE
@@ -502,7 +598,7 @@ ON DUPLICATE KEY UPDATE
         :token, token),
     attempts = IF({won}, IF(expires_at <= {NOW}, 1, attempts + 1), attempts),
     result = IF({won}, NULL, result),
-    state = IF({won}, 'P', state),
+    state = IF({won}, '{state}', state),
     lease_until = IF({won}, {NOW} + INTERVAL :lease MICROSECOND, lease_until),
     fingerprint = IF({won},
         IF(expires_at <= {NOW}, :fingerprint, COALESCE(fingerprint, :fingerprint)), fingerprint),

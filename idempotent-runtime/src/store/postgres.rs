@@ -11,6 +11,7 @@ use super::sql::{self, PurgeSchedule, millis};
 use crate::{Claim, Fingerprint, Key, Store, StoreError, Token, Transition};
 
 pub use super::sql::{DEFAULT_TABLE, PURGE_BATCH, PURGE_EVERY_CLAIMS, RENEWAL_CONNECTIONS};
+pub use crate::transactional::TransactionalClaim;
 
 /// Records in PostgreSQL, through an `sqlx` pool.
 ///
@@ -82,43 +83,6 @@ pub struct PostgresStore {
     sql: Arc<Sql>,
     purge: Arc<PurgeSchedule>,
     transactional_claim: TransactionalClaim,
-}
-
-/// Where a `transactional` handler's claim is taken
-/// ([`PostgresStore::with_transactional_claim`]).
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-#[non_exhaustive]
-pub enum TransactionalClaim {
-    /// In its own statement, committed (without waiting for its WAL flush) before the
-    /// handler's transaction begins; DONE is recorded in that transaction. A
-    /// concurrent duplicate sees the claim at once and is answered
-    /// [`InProgress`](crate::Outcome::InProgress); a consumer that dies mid-handler
-    /// has still used up an attempt, so a message that kills its consumer every time
-    /// is dead-lettered after `max_attempts`; the lease is renewed while the handler
-    /// runs and lapses when its consumer stops.
-    #[default]
-    Committed,
-    /// As the first statement of the handler's transaction, which records DONE right
-    /// away: nothing about the message is committed until the handler's writes are,
-    /// which saves a statement and a commit per message (the hand-written inbox's
-    /// cost, with a claim). A concurrent duplicate is still answered `InProgress` at
-    /// once (the claim also takes a transaction-scoped advisory lock on the key's
-    /// hash, and a duplicate that can't take it does not wait). What it gives up:
-    ///
-    /// * attempts are counted when a handler returns an error or panics, but not when
-    ///   its consumer dies or its call is dropped mid-handler (that rolls the attempt
-    ///   back with everything else), so a message that kills its consumer every time
-    ///   is redelivered for ever instead of being dead-lettered after `max_attempts`;
-    /// * there is no lease: the claim lasts as long as the transaction, so a handler
-    ///   that hangs without its consumer dying (or its call being dropped) holds the
-    ///   key until its connection closes, and `lease` only caps how much longer than
-    ///   `ttl` the DONE record may be kept;
-    /// * a handler that takes longer than its lease, or caches its result, pays one
-    ///   more statement to date the DONE record from its completion;
-    /// * a claim-first consumer of the same record (a plain handler on this store, or
-    ///   another process configured otherwise) waits up to [`LOCK_TIMEOUT`] on a
-    ///   record this mode holds before answering `InProgress`.
-    InTransaction,
 }
 
 /// The statements, built once per table. `SqlStr`s made from an `Arc<str>` clone

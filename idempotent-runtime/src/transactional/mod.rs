@@ -36,6 +36,47 @@ mod mysql;
 #[cfg(feature = "postgres")]
 mod postgres;
 
+/// Where a `transactional` handler's claim is taken
+/// (`PostgresStore::with_transactional_claim`, `MysqlStore::with_transactional_claim`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum TransactionalClaim {
+    /// In its own statement, committed before the handler's transaction begins
+    /// (on PostgreSQL without waiting for its WAL flush); DONE is recorded in that
+    /// transaction. A concurrent duplicate sees the claim at once and is answered
+    /// [`InProgress`](crate::Outcome::InProgress); a consumer that dies mid-handler
+    /// has still used up an attempt, so a message that kills its consumer every time
+    /// is dead-lettered after `max_attempts`; the lease is renewed while the handler
+    /// runs and lapses when its consumer stops.
+    #[default]
+    Committed,
+    /// As the first statement of the handler's transaction, which records DONE right
+    /// away: nothing about the message is committed until the handler's writes are,
+    /// which saves a commit per message, and on PostgreSQL a statement too (the
+    /// hand-written inbox's cost, with a claim). What it gives up:
+    ///
+    /// * a concurrent duplicate meets a record row locked by the transaction: on
+    ///   PostgreSQL it is answered `InProgress` at once (the claim also takes a
+    ///   transaction-scoped advisory lock on the key's hash, and a duplicate that
+    ///   can't take it does not wait); on MySQL, which has no transaction-scoped
+    ///   advisory locks, it waits for the transaction, up to the store's
+    ///   `LOCK_TIMEOUT` (2 s), and then gets the committed answer or `InProgress`;
+    /// * attempts are counted when a handler returns an error or panics, but not when
+    ///   its consumer dies or its call is dropped mid-handler (that rolls the attempt
+    ///   back with everything else), so a message that kills its consumer every time
+    ///   is redelivered for ever instead of being dead-lettered after `max_attempts`;
+    /// * there is no lease: the claim lasts as long as the transaction, so a handler
+    ///   that hangs without its consumer dying (or its call being dropped) holds the
+    ///   key until its connection closes, and `lease` only caps how much longer than
+    ///   `ttl` the DONE record may be kept;
+    /// * a handler that takes longer than its lease, or caches its result, pays one
+    ///   more statement to date the DONE record from its completion;
+    /// * a claim-first consumer of the same record (a plain handler on this store, or
+    ///   another process configured otherwise) waits up to the store's
+    ///   `LOCK_TIMEOUT` on a record this mode holds before answering `InProgress`.
+    InTransaction,
+}
+
 /// Runs `body` at most once per key, with its writes and the DONE record in one
 /// transaction. The `#[idempotent(transactional)]` expansion calls it.
 ///

@@ -6,10 +6,15 @@ use std::future::Future;
 use sqlx::pool::PoolConnection;
 use sqlx::{MySql, SqlSafeStr, Transaction};
 
-use super::{Transactional, TxSlot, begin_within, commit_if_recorded, rollback};
+use super::{
+    Transactional, TransactionalClaim, TxSlot, begin_within, commit_if_recorded, rollback,
+};
 use crate::alert::TerminalEvent;
 use crate::execute::{Call, Completed, Completion, Discarded, ResultCache, Spec, run_with};
-use crate::{Claim, Error, ErrorClass, Fingerprint, Key, MysqlStore, Outcome, StoreError, Token};
+use crate::{
+    Claim, Error, ErrorClass, Fingerprint, Key, MysqlStore, Outcome, Store, StoreError, Token,
+    Transition,
+};
 
 impl Transactional for MysqlStore {
     type Database = MySql;
@@ -30,7 +35,13 @@ impl Transactional for MysqlStore {
         HF: Future<Output = ()>,
         F: Future<Output = Result<T, E>>,
     {
-        let completion = InTransaction { slot, conn: None };
+        let completion = InTransaction {
+            slot,
+            conn: None,
+            tx: None,
+            inline: self.transactional_claim() == TransactionalClaim::InTransaction,
+            claimed_at: tokio::time::Instant::now(),
+        };
         run_with(call, self, completion, classify, on_terminal, body).await
     }
 }
@@ -42,6 +53,12 @@ struct InTransaction<'a> {
     /// The connection the claim was won on, until `begin` starts the transaction on
     /// it: one pool checkout per message instead of two.
     conn: Option<PoolConnection<MySql>>,
+    /// With [`TransactionalClaim::InTransaction`]: the transaction the claim was won
+    /// in, until `begin` lends it to the handler.
+    tx: Option<Transaction<'static, MySql>>,
+    inline: bool,
+    /// When the claim was sent.
+    claimed_at: tokio::time::Instant,
 }
 
 impl Completion<MysqlStore> for InTransaction<'_> {
@@ -56,6 +73,18 @@ impl Completion<MysqlStore> for InTransaction<'_> {
         fingerprint: Option<&Fingerprint>,
     ) -> Result<Claim, StoreError> {
         let mut conn = store.pool().acquire().await.map_err(StoreError::unavailable)?;
+        self.claimed_at = tokio::time::Instant::now();
+        if self.inline {
+            let mut tx = begin_read_committed(conn, spec).await?;
+            let (lease, ttl) = (spec.lease(), spec.ttl());
+            let claim = store.claim_in_transaction(&mut tx, key, lease, ttl, fingerprint).await?;
+            if matches!(claim, Claim::Won { .. }) {
+                self.tx = Some(tx);
+            }
+            // Otherwise the transaction, which changed nothing, is rolled back when
+            // its connection is next used.
+            return Ok(claim);
+        }
         let claim = store.claim_on(&mut conn, key, spec.lease(), spec.ttl(), fingerprint).await?;
         if matches!(claim, Claim::Won { .. }) {
             self.conn = Some(conn);
@@ -63,16 +92,16 @@ impl Completion<MysqlStore> for InTransaction<'_> {
         Ok(claim)
     }
 
-    /// Begins at READ COMMITTED whatever the server's default (see
-    /// [`crate::transactional`]), in one round trip: `SET TRANSACTION` sets the level
-    /// of the next transaction only, and the two statements go as one text query.
+    /// Begins the handler's transaction, unless the claim was won inside it.
     async fn begin(&mut self, _: &MysqlStore, spec: &Spec) -> Result<(), StoreError> {
-        let Some(conn) = self.conn.take() else {
-            return Err(StoreError::Protocol("the claim's connection went missing".to_owned()));
+        let tx = match (self.tx.take(), self.conn.take()) {
+            (Some(tx), _) => tx,
+            (None, Some(conn)) => begin_read_committed(conn, spec).await?,
+            (None, None) => {
+                let error = "the claim's connection went missing".to_owned();
+                return Err(StoreError::Protocol(error));
+            }
         };
-        let statement =
-            "SET TRANSACTION ISOLATION LEVEL READ COMMITTED; START TRANSACTION".into_sql_str();
-        let tx = begin_within(Transaction::begin(conn, Some(statement)), spec).await?;
         self.slot.put(tx);
         Ok(())
     }
@@ -89,21 +118,59 @@ impl Completion<MysqlStore> for InTransaction<'_> {
             let error = StoreError::Protocol("the handler's transaction went missing".to_owned());
             return Completed::Failed { error, effects_kept: false };
         };
-        let recorded = store.complete_on(&mut *tx, key, token, spec.ttl(), result).await;
+        let recorded = if !self.inline {
+            store.complete_on(&mut *tx, key, token, spec.ttl(), result).await
+        } else if result.is_some() || self.claimed_at.elapsed() > spec.lease() {
+            // The claim wrote DONE, without the result, kept `ttl` + `lease` from the
+            // claim: date it from now when that is too short.
+            store.redate_done(&mut tx, key, token, spec.ttl(), result).await
+        } else {
+            Ok(Transition::Applied)
+        };
         commit_if_recorded(tx, recorded).await
     }
 
+    /// With [`TransactionalClaim::InTransaction`] the rollback takes the claim with
+    /// it: the key is claimed again, on its own and committed, to count the attempt
+    /// and to be released or marked FAILED.
     async fn discard(
         self,
-        _: &MysqlStore,
-        _: &Key,
-        _: &Spec,
-        _: Option<&Fingerprint>,
+        store: &MysqlStore,
+        key: &Key,
+        spec: &Spec,
+        fingerprint: Option<&Fingerprint>,
     ) -> Discarded {
         drop(self.conn);
-        if let Some(tx) = self.slot.take() {
+        for tx in [self.tx, self.slot.take()].into_iter().flatten() {
             rollback(tx).await;
         }
-        Discarded::Held
+        if !self.inline {
+            return Discarded::Held;
+        }
+        match store.claim(key, spec.lease(), spec.ttl(), fingerprint).await {
+            Ok(Claim::Won { token, .. }) => Discarded::Retaken(token),
+            Ok(_) => Discarded::Gone,
+            Err(error) => {
+                tracing::warn!(%key, %error, "the attempt could not be recorded");
+                Discarded::Gone
+            }
+        }
     }
+
+    fn claim_committed(&self) -> bool {
+        !self.inline
+    }
+}
+
+/// Begins at READ COMMITTED whatever the server's default (see
+/// [`crate::transactional`]), in one round trip: `SET TRANSACTION` sets the level of
+/// the next transaction only, and the two statements go as one text query. Gives up
+/// after a third of the lease.
+async fn begin_read_committed(
+    conn: PoolConnection<MySql>,
+    spec: &Spec,
+) -> Result<Transaction<'static, MySql>, StoreError> {
+    let statement =
+        "SET TRANSACTION ISOLATION LEVEL READ COMMITTED; START TRANSACTION".into_sql_str();
+    begin_within(Transaction::begin(conn, Some(statement)), spec).await
 }
