@@ -13,7 +13,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use idempotent::guard::{
-    StateChange, StateGuard, StateRefused, Table, VersionChange, VersionRefused,
+    InvalidGuard, StateChange, StateGuard, StateRefused, Table, VersionChange, VersionRefused,
 };
 use idempotent::{Classify, Disposition, DispositionExt, ErrorClass, NoStore, Outcome, idempotent};
 
@@ -43,7 +43,8 @@ fn names_that_are_not_plain_identifiers_are_refused() {
     assert!(Table::new(&"a".repeat(63), "id").is_ok());
     assert!(Table::new("shop.orders", "id").is_ok());
     let orders = Table::new("orders", "id").unwrap();
-    assert!(orders.state::<String>("status", Vec::<String>::new(), "PAID").is_err());
+    let none = orders.state::<String>("status", Vec::<String>::new(), "PAID").unwrap_err();
+    assert_eq!(none, InvalidGuard::NoFromState);
 }
 
 #[test]

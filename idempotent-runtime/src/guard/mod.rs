@@ -64,22 +64,33 @@ mod postgres;
 /// (MySQL 64) and would silently cut a longer one.
 pub const MAX_IDENTIFIER_LEN: usize = 63;
 
-/// A table or column name that is not a plain identifier.
+/// A guard that can't be built.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error(
-    "`{0}` is not a plain SQL identifier: use ASCII letters, digits and `_`, not starting with \
-     a digit, at most 63 bytes (a table may be `schema.table`)"
-)]
-pub struct InvalidIdentifier(pub String);
+#[non_exhaustive]
+pub enum InvalidGuard {
+    /// A table or column name that is not a plain identifier.
+    #[error(
+        "`{0}` is not a plain SQL identifier: use ASCII letters, digits and `_`, not starting \
+         with a digit, at most 63 bytes (a table may be `schema.table`)"
+    )]
+    Identifier(String),
+    /// A state guard with no state to move from.
+    #[error("a state guard needs at least one state to move from")]
+    NoFromState,
+}
 
 use sealed::Ident;
 
 impl Ident {
-    fn new(name: &str) -> Result<Self, InvalidIdentifier> {
+    fn new(name: &str) -> Result<Self, InvalidGuard> {
         let plain = name.len() <= MAX_IDENTIFIER_LEN
             && name.chars().next().is_some_and(|c| c.is_ascii_alphabetic() || c == '_')
             && name.chars().all(|c| c.is_ascii_alphanumeric() || c == '_');
-        if plain { Ok(Ident(name.to_owned())) } else { Err(InvalidIdentifier(name.to_owned())) }
+        if plain {
+            Ok(Ident(name.to_owned()))
+        } else {
+            Err(InvalidGuard::Identifier(name.to_owned()))
+        }
     }
 }
 
@@ -103,16 +114,16 @@ pub struct Table {
 impl Table {
     /// The table `name` (or `schema.name`) whose rows are found by `key_column`, which
     /// must be unique (a primary key or a unique index).
-    pub fn new(name: &str, key_column: &str) -> Result<Self, InvalidIdentifier> {
+    pub fn new(name: &str, key_column: &str) -> Result<Self, InvalidGuard> {
         let parts: Vec<&str> = name.split('.').collect();
         if parts.len() > 2 {
-            return Err(InvalidIdentifier(name.to_owned()));
+            return Err(InvalidGuard::Identifier(name.to_owned()));
         }
         let path = parts
             .into_iter()
             .map(Ident::new)
             .collect::<Result<_, _>>()
-            .map_err(|_| InvalidIdentifier(name.to_owned()))?;
+            .map_err(|_| InvalidGuard::Identifier(name.to_owned()))?;
         Ok(Table { path, key: Ident::new(key_column)? })
     }
 
@@ -125,10 +136,10 @@ impl Table {
         column: &str,
         from: impl IntoIterator<Item = impl Into<S>>,
         to: impl Into<S>,
-    ) -> Result<StateGuard<S>, InvalidIdentifier> {
+    ) -> Result<StateGuard<S>, InvalidGuard> {
         let from: Vec<S> = from.into_iter().map(Into::into).collect();
         if from.is_empty() {
-            return Err(InvalidIdentifier(format!("{column} (from no state)")));
+            return Err(InvalidGuard::NoFromState);
         }
         Ok(StateGuard {
             table: self.clone(),
@@ -140,7 +151,7 @@ impl Table {
     }
 
     /// A guard on the integer version column `column`.
-    pub fn versioned(&self, column: &str) -> Result<VersionGuard, InvalidIdentifier> {
+    pub fn versioned(&self, column: &str) -> Result<VersionGuard, InvalidGuard> {
         Ok(VersionGuard { table: self.clone(), version: Ident::new(column)? })
     }
 }
@@ -434,6 +445,26 @@ fn not_unique(table: &Table, n: u64) -> sqlx::Error {
         )
         .into(),
     )
+}
+
+/// A versioned update's answer from the rows it changed: `None` when it changed none,
+/// and the current version must be read.
+fn updated(table: &Table, rows: u64) -> Result<Option<VersionChange>, sqlx::Error> {
+    match rows {
+        0 => Ok(None),
+        1 => Ok(Some(VersionChange::Applied)),
+        n => Err(not_unique(table, n)),
+    }
+}
+
+/// A versioned update's answer from the versions read for its key, when it changed
+/// nothing.
+fn not_updated(table: &Table, versions: &[i64]) -> Result<VersionChange, sqlx::Error> {
+    match versions {
+        [] => Ok(VersionChange::NotFound),
+        [version] => Ok(VersionChange::Stale(*version)),
+        _ => Err(not_unique(table, versions.len() as u64)),
+    }
 }
 
 /// The error for a state column holding NULL, which no guard's `from` can match.

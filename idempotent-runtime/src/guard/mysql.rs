@@ -5,7 +5,7 @@ use sqlx::{Arguments, AssertSqlSafe, Decode, MySql, MySqlConnection, SqlSafeStr,
 
 use super::{
     GuardDatabase, Ident, StateChange, StateGuard, Value, VersionChange, VersionGuard, not_unique,
-    quoted, quoted_table,
+    not_updated, quoted, quoted_table, updated,
 };
 
 /// The answers the state update hands back through `LAST_INSERT_ID(expr)`, which the
@@ -81,10 +81,8 @@ impl GuardDatabase for MySql {
         }
         let update = format!("UPDATE {table} SET {sets}{v} = {v} + 1 WHERE {k} = ? AND {v} = ?");
         let done = sqlx::query_with(AssertSqlSafe(update), args).execute(&mut *conn).await?;
-        match done.rows_affected() {
-            1 => return Ok(VersionChange::Applied),
-            0 => {}
-            n => return Err(not_unique(&guard.table, n)),
+        if let Some(change) = updated(&guard.table, done.rows_affected())? {
+            return Ok(change);
         }
         // A locking read: a plain one inside a REPEATABLE READ transaction would
         // answer from the transaction's snapshot, possibly the very version that
@@ -93,11 +91,7 @@ impl GuardDatabase for MySql {
             format!("SELECT CAST({v} AS SIGNED) FROM {table} WHERE {k} = ? LOCK IN SHARE MODE");
         let versions: Vec<i64> =
             sqlx::query_scalar(AssertSqlSafe(read)).bind(key).fetch_all(&mut *conn).await?;
-        match versions[..] {
-            [] => Ok(VersionChange::NotFound),
-            [version] => Ok(VersionChange::Stale(version)),
-            _ => Err(not_unique(&guard.table, versions.len() as u64)),
-        }
+        not_updated(&guard.table, &versions)
     }
 }
 

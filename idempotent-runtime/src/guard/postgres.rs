@@ -5,7 +5,7 @@ use sqlx::{Arguments, AssertSqlSafe, Decode, PgConnection, Postgres, SqlSafeStr,
 
 use super::{
     GuardDatabase, Ident, StateChange, StateGuard, Value, VersionChange, VersionGuard, not_unique,
-    null_state, quoted, quoted_table,
+    not_updated, null_state, quoted, quoted_table, updated,
 };
 
 /// How many times a state change is tried again when the row changed under it.
@@ -80,19 +80,13 @@ impl GuardDatabase for Postgres {
             n + 2
         );
         let done = sqlx::query_with(AssertSqlSafe(update), args).execute(&mut *conn).await?;
-        match done.rows_affected() {
-            1 => return Ok(VersionChange::Applied),
-            0 => {}
-            n => return Err(not_unique(&guard.table, n)),
+        if let Some(change) = updated(&guard.table, done.rows_affected())? {
+            return Ok(change);
         }
         let read = format!("SELECT {v}::int8 FROM {table} WHERE {k} = $1");
         let versions: Vec<i64> =
             sqlx::query_scalar(AssertSqlSafe(read)).bind(key).fetch_all(&mut *conn).await?;
-        match versions[..] {
-            [] => Ok(VersionChange::NotFound),
-            [version] => Ok(VersionChange::Stale(version)),
-            _ => Err(not_unique(&guard.table, versions.len() as u64)),
-        }
+        not_updated(&guard.table, &versions)
     }
 }
 

@@ -28,7 +28,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 use sqlx::{Database, Transaction};
 
 use crate::alert::TerminalEvent;
-use crate::execute::{Call, Completed, ResultCache, Spec};
+use crate::execute::{Call, Completed, Discarded, ResultCache, Spec};
 use crate::{Error, ErrorClass, Outcome, Store, StoreError, Transition};
 
 #[cfg(feature = "mysql")]
@@ -307,5 +307,22 @@ pub(crate) async fn commit_if_recorded<DB: Database>(
 pub(crate) async fn rollback<DB: Database>(tx: Transaction<'static, DB>) {
     if let Err(error) = tx.rollback().await {
         tracing::warn!(%error, "rollback failed; the connection is dropped instead");
+    }
+}
+
+/// After an in-transaction claim was rolled back with the handler's writes: the key
+/// claimed again, on its own and committed, to count the attempt and to be released
+/// or marked FAILED.
+pub(crate) async fn retake(
+    claim: impl Future<Output = Result<crate::Claim, StoreError>>,
+    key: &crate::Key,
+) -> Discarded {
+    match claim.await {
+        Ok(crate::Claim::Won { token, .. }) => Discarded::Retaken(token),
+        Ok(_) => Discarded::Gone,
+        Err(error) => {
+            tracing::warn!(%key, %error, "the attempt could not be recorded");
+            Discarded::Gone
+        }
     }
 }

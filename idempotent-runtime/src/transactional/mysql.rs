@@ -7,7 +7,7 @@ use sqlx::pool::PoolConnection;
 use sqlx::{MySql, SqlSafeStr, Transaction};
 
 use super::{
-    Transactional, TransactionalClaim, TxSlot, begin_within, commit_if_recorded, rollback,
+    Transactional, TransactionalClaim, TxSlot, begin_within, commit_if_recorded, retake, rollback,
 };
 use crate::alert::TerminalEvent;
 use crate::execute::{Call, Completed, Completion, Discarded, ResultCache, Spec, run_with};
@@ -147,14 +147,7 @@ impl Completion<MysqlStore> for InTransaction<'_> {
         if !self.inline {
             return Discarded::Held;
         }
-        match store.claim(key, spec.lease(), spec.ttl(), fingerprint).await {
-            Ok(Claim::Won { token, .. }) => Discarded::Retaken(token),
-            Ok(_) => Discarded::Gone,
-            Err(error) => {
-                tracing::warn!(%key, %error, "the attempt could not be recorded");
-                Discarded::Gone
-            }
-        }
+        retake(store.claim(key, spec.lease(), spec.ttl(), fingerprint), key).await
     }
 
     fn claim_committed(&self) -> bool {

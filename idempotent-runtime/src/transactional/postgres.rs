@@ -6,7 +6,7 @@ use std::future::Future;
 use sqlx::pool::PoolConnection;
 use sqlx::{Postgres, SqlSafeStr, Transaction};
 
-use super::{Transactional, TxSlot, begin_within, commit_if_recorded, rollback};
+use super::{Transactional, TxSlot, begin_within, commit_if_recorded, retake, rollback};
 use crate::alert::TerminalEvent;
 use crate::execute::{Call, Completed, Completion, Discarded, ResultCache, Spec, run_with};
 use crate::store::postgres::{ClaimCommit, TransactionalClaim};
@@ -157,14 +157,7 @@ impl Completion<PostgresStore> for InTransaction<'_> {
             return Discarded::Held;
         }
         let (lease, ttl) = (spec.lease(), spec.ttl());
-        match store.claim_with(key, lease, ttl, fingerprint, ClaimCommit::Deferred).await {
-            Ok(Claim::Won { token, .. }) => Discarded::Retaken(token),
-            Ok(_) => Discarded::Gone,
-            Err(error) => {
-                tracing::warn!(%key, %error, "the attempt could not be recorded");
-                Discarded::Gone
-            }
-        }
+        retake(store.claim_with(key, lease, ttl, fingerprint, ClaimCommit::Deferred), key).await
     }
 
     fn claim_committed(&self) -> bool {
