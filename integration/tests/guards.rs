@@ -235,6 +235,56 @@ macro_rules! guard_cases {
                 drop_table(&pool, &table).await;
             }
 
+            /// A key column that is not unique must leave the rows as they were: the
+            /// guard answers an error, so the caller believes nothing changed. Through
+            /// a pool the statement commits on its own, and the guard reports the
+            /// error only after its `UPDATE` has changed every matching row: both
+            /// UNPAID orders end up PAID (and both versioned rows bumped) although
+            /// each call failed.
+            #[tokio::test]
+            async fn a_key_matching_several_rows_changes_none_of_them() {
+                let Some(pool) = pool(4).await else { return };
+                let table = super::mysql::table("guard_dupes");
+                exec(&pool, format!("CREATE TABLE {table} (id BIGINT NOT NULL, status VARCHAR(8) NOT NULL, version BIGINT NOT NULL)")).await;
+                exec(&pool, format!("INSERT INTO {table} VALUES (1, 'UNPAID', 1), (1, 'UNPAID', 1)")).await;
+                let rows = Table::new(&table, "id").unwrap();
+                let pay: StateGuard<String> = rows.state("status", ["UNPAID"], "PAID").unwrap();
+                let error = pay.apply(&pool, 1_i64).await.unwrap_err();
+                assert!(error.to_string().contains("must be unique"), "{error}");
+                let versioned = rows.versioned("version").unwrap();
+                let error = versioned.set("status", "X").apply(&pool, 1_i64, 1).await.unwrap_err();
+                assert!(error.to_string().contains("must be unique"), "{error}");
+                let sql = format!("SELECT status, version FROM {table} ORDER BY status");
+                let after: Vec<(String, i64)> = sqlx::query_as(sqlx::AssertSqlSafe(sql)).fetch_all(&pool).await.unwrap();
+                drop_table(&pool, &table).await;
+                assert_eq!(
+                    after,
+                    [("UNPAID".to_string(), 1), ("UNPAID".to_string(), 1)],
+                    "the guards answered an error but changed the rows"
+                );
+            }
+
+            /// A guard whose target is also one of its source states ("pay an order
+            /// that is UNPAID or PAID") must still tell a duplicate from a first
+            /// delivery: a row already in the target state is `AlreadyApplied`, as
+            /// the type documents. Both databases test the sources first, so every
+            /// redelivery answers `Applied` and the handler charges again.
+            #[tokio::test]
+            async fn a_row_in_the_target_state_is_already_applied_even_if_listed_as_a_source() {
+                let Some(pool) = pool(4).await else { return };
+                let table = orders(&pool, &[(1, "UNPAID")]).await;
+                let pay: StateGuard<String> =
+                    Table::new(&table, "id").unwrap().state("status", ["UNPAID", "PAID"], "PAID").unwrap();
+                let first = pay.apply(&pool, 1_i64).await.unwrap();
+                let second = pay.apply(&pool, 1_i64).await.unwrap();
+                drop_table(&pool, &table).await;
+                assert_eq!(
+                    (first, second),
+                    (StateChange::Applied, StateChange::AlreadyApplied),
+                    "a redelivery was answered Applied: its effect runs twice"
+                );
+            }
+
             #[tokio::test]
             async fn a_version_guard_answers_each_case() {
                 let Some(pool) = pool(4).await else { return };
@@ -335,3 +385,258 @@ macro_rules! guard_cases {
 
 guard_cases!(on_postgres, sqlx::Postgres, postgres::pool, '"');
 guard_cases!(on_mysql, sqlx::MySql, mysql::pool, '`');
+
+/// PostgreSQL only: column types and isolation levels.
+mod on_postgres_only {
+    use super::*;
+
+    async fn exec(pool: &sqlx::PgPool, sql: String) {
+        sqlx::raw_sql(sqlx::AssertSqlSafe(sql)).execute(pool).await.unwrap();
+    }
+
+    /// A state column of type `CHAR(n)`: PostgreSQL compares `'PAID'` and the padded
+    /// `'PAID      '` as equal, so the update's `IN` matches an unpadded source, but the
+    /// guard decides "already applied" by comparing, in Rust, the padded value it read
+    /// back with the target. A redelivered "pay" answers `Conflict("PAID      ")`, a
+    /// terminal refusal that dead-letters the duplicate with an alert, instead of
+    /// `AlreadyApplied`.
+    #[tokio::test]
+    async fn a_char_state_column_answers_already_applied() {
+        let Some(pool) = postgres::pool(2).await else { return };
+        let table = mysql::table("guard_char");
+        exec(
+            &pool,
+            format!("CREATE TABLE {table} (id BIGINT PRIMARY KEY, status CHAR(10) NOT NULL)"),
+        )
+        .await;
+        exec(&pool, format!("INSERT INTO {table} VALUES (1, 'UNPAID')")).await;
+        let pay: StateGuard<String> =
+            Table::new(&table, "id").unwrap().state("status", ["UNPAID"], "PAID").unwrap();
+        let first = pay.apply(&pool, 1_i64).await.unwrap();
+        let again = pay.apply(&pool, 1_i64).await.unwrap();
+        exec(&pool, format!("DROP TABLE {table}")).await;
+        assert_eq!((first, again), (StateChange::Applied, StateChange::AlreadyApplied));
+    }
+
+    /// In a REPEATABLE READ transaction whose snapshot predates another writer's
+    /// commit, a version guard given the row's current version (carried by the message,
+    /// or read outside the transaction) misses the snapshot's row, and then reads the
+    /// version back from the same old snapshot: it answers `Stale(1)` for a row at
+    /// version 2 that was given 2. `Stale` promises "another writer got there first:
+    /// the row's version is now this one"; the truth is a serialization conflict
+    /// (a retry in a new transaction applies). The MySQL side reads with a locking
+    /// read for exactly this reason; the PostgreSQL side does not.
+    #[tokio::test]
+    async fn stale_never_reports_a_version_older_than_the_one_given() {
+        let Some(pool) = postgres::pool(2).await else { return };
+        let table = mysql::table("guard_rr");
+        exec(&pool, format!("CREATE TABLE {table} (id BIGINT PRIMARY KEY, stock BIGINT NOT NULL, version BIGINT NOT NULL)"))
+            .await;
+        exec(&pool, format!("INSERT INTO {table} VALUES (1, 10, 1)")).await;
+        let guard = Table::new(&table, "id").unwrap().versioned("version").unwrap();
+        let mut tx = pool.begin().await.unwrap();
+        sqlx::query("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
+            .execute(&mut *tx)
+            .await
+            .unwrap();
+        sqlx::query("SELECT 1").execute(&mut *tx).await.unwrap(); // the snapshot
+        exec(&pool, format!("UPDATE {table} SET stock = 9, version = 2 WHERE id = 1")).await;
+        let answer = guard.set("stock", 8_i64).apply(&mut *tx, 1_i64, 2).await;
+        tx.rollback().await.unwrap();
+        exec(&pool, format!("DROP TABLE {table}")).await;
+        assert!(
+            !matches!(answer, Ok(VersionChange::Stale(now)) if now <= 2),
+            "given version 2, the guard answered {answer:?}"
+        );
+    }
+}
+
+/// MySQL and MariaDB only.
+mod on_mysql_only {
+    use super::*;
+
+    type Pool = sqlx::MySqlPool;
+
+    async fn exec(pool: &Pool, sql: String) {
+        sqlx::raw_sql(sqlx::AssertSqlSafe(sql)).execute(pool).await.unwrap();
+    }
+
+    async fn mariadb(pool: &Pool) -> bool {
+        let version: String = sqlx::query_scalar("SELECT VERSION()").fetch_one(pool).await.unwrap();
+        version.contains("MariaDB")
+    }
+
+    /// On a pool (each statement commits on its own), the state guard's second
+    /// statement, which reads the state after the update found a conflicting one,
+    /// can see a later writer's state. Here the update finds CANCELLED, another
+    /// writer queued behind it reopens the order (UNPAID) and commits, and the guard
+    /// answers `Conflict("UNPAID")`: a terminal refusal naming a state the change is
+    /// allowed from, so the message is dead-lettered although it could apply now.
+    #[tokio::test]
+    async fn a_conflict_never_names_a_state_the_change_is_allowed_from() {
+        let Some(pool) = mysql::pool(4).await else { return };
+        let table = mysql::table("guard_conflict_race");
+        exec(
+            &pool,
+            format!("CREATE TABLE {table} (id BIGINT PRIMARY KEY, status VARCHAR(16) NOT NULL)"),
+        )
+        .await;
+        exec(&pool, format!("INSERT INTO {table} VALUES (1, 'CANCELLED')")).await;
+        let pay = Arc::new(
+            Table::new(&table, "id")
+                .unwrap()
+                .state::<String>("status", ["UNPAID"], "PAID")
+                .unwrap(),
+        );
+        // Someone holds the row; the guard's update queues behind them, and a writer
+        // that reopens the order queues behind the guard.
+        let mut holder = pool.begin().await.unwrap();
+        let lock = format!("SELECT status FROM {table} WHERE id = 1 FOR UPDATE");
+        sqlx::query(sqlx::AssertSqlSafe(lock)).execute(&mut *holder).await.unwrap();
+        let guard = tokio::spawn({
+            let (pool, pay) = (pool.clone(), pay.clone());
+            async move { pay.apply(&pool, 1_i64).await }
+        });
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        let reopen = tokio::spawn({
+            let (pool, table) = (pool.clone(), table.clone());
+            async move {
+                let mut tx = pool.begin().await.unwrap();
+                let sql = format!("UPDATE {table} SET status = 'UNPAID' WHERE id = 1");
+                sqlx::query(sqlx::AssertSqlSafe(sql)).execute(&mut *tx).await.unwrap();
+                tokio::time::sleep(Duration::from_millis(300)).await;
+                tx.commit().await.unwrap();
+            }
+        });
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        holder.commit().await.unwrap();
+        let answer = guard.await.unwrap().unwrap();
+        reopen.await.unwrap();
+        exec(&pool, format!("DROP TABLE {table}")).await;
+        assert!(
+            matches!(&answer, StateChange::Applied)
+                || answer == StateChange::Conflict("CANCELLED".to_string()),
+            "the guard answered {answer:?}"
+        );
+    }
+
+    #[derive(Debug, thiserror::Error, Classify)]
+    enum ReserveError {
+        #[error(transparent)]
+        #[idempotent(transparent)]
+        Db(#[from] sqlx::Error),
+        #[error(transparent)]
+        #[idempotent(transparent)]
+        Version(#[from] VersionRefused),
+    }
+
+    /// The optimistic-locking handler of `examples/optimistic_lock.rs`, with another
+    /// writer committing between its read and its guarded write.
+    #[idempotent(key = "reserve:{sku}", store = NoStore)]
+    async fn reserve(sku: i64, pool: &Pool, table: &str) -> Result<(), ReserveError> {
+        let mut tx = pool.begin().await?;
+        let read = format!("SELECT stock, version FROM {table} WHERE id = ?");
+        let read = sqlx::query_as(sqlx::AssertSqlSafe(read)).bind(sku);
+        let (left, version): (i64, i64) = read.fetch_one(&mut *tx).await?;
+        let other =
+            format!("UPDATE {table} SET stock = stock - 1, version = version + 1 WHERE id = ?");
+        sqlx::query(sqlx::AssertSqlSafe(other)).bind(sku).execute(pool).await?;
+        let guard = Table::new(table, "id").unwrap().versioned("version").unwrap();
+        guard.set("stock", left - 1).apply(&mut *tx, sku, version).await?.into_result()?;
+        Ok(tx.commit().await?)
+    }
+
+    /// MariaDB from 11.6.2 on (11.8 LTS) runs with `innodb_snapshot_isolation = ON`:
+    /// in a REPEATABLE READ transaction, a write to a row another transaction changed
+    /// after this one's read view fails with error 1020, "Record has changed since last
+    /// read ... try restarting transaction" (SQLSTATE HY000). That is the lost race the
+    /// version guard exists to turn into a retry, but 1020 is not among the MySQL
+    /// errors classified retryable, so the handler's error is terminal and the message
+    /// is dead-lettered instead of retried. (The session setting stands in for the
+    /// newer server's default; the state guard's concurrent duplicates meet the same
+    /// error.)
+    #[tokio::test]
+    async fn a_lost_race_under_mariadb_snapshot_isolation_is_retried() {
+        let Some(pool) = mysql::pool(1).await else { return };
+        if !mariadb(&pool).await {
+            return;
+        }
+        let settings = ["SET SESSION innodb_snapshot_isolation = ON"];
+        let Some(pool) = mysql::pool_with(4, &settings).await else { return };
+        let table = mysql::table("guard_snapshot");
+        exec(&pool, format!("CREATE TABLE {table} (id BIGINT PRIMARY KEY, stock BIGINT NOT NULL, version BIGINT NOT NULL)"))
+            .await;
+        exec(&pool, format!("INSERT INTO {table} VALUES (1, 10, 1)")).await;
+        let result = reserve(1, &pool, &table).await;
+        exec(&pool, format!("DROP TABLE {table}")).await;
+        assert_eq!(result.disposition(), Disposition::Retry, "{result:?}");
+    }
+}
+
+/// MySQL and MariaDB only: triggers and names.
+mod on_mysql_triggers {
+    use super::*;
+
+    async fn exec(pool: &sqlx::MySqlPool, sql: String) {
+        sqlx::raw_sql(sqlx::AssertSqlSafe(sql)).execute(pool).await.unwrap();
+    }
+
+    /// A table with a trigger, even one that changes nothing (`SET NEW.x = NEW.x`):
+    /// the server then no longer carries the `LAST_INSERT_ID(expr)` value in the
+    /// update's OK packet (it reports 0, while the session's `LAST_INSERT_ID()` does
+    /// hold the answer), so the MySQL state guard answers a protocol error for every
+    /// row that exists, after having applied the change. The error is retryable: on
+    /// `NoStore` the message is retried until its attempts run out and then
+    /// dead-lettered, and through a pool the first attempt's change is committed
+    /// although the caller was told it failed.
+    #[tokio::test]
+    async fn a_state_guard_answers_on_a_table_with_a_trigger() {
+        let Some(pool) = mysql::pool(2).await else { return };
+        let table = mysql::table("guard_trigger");
+        exec(&pool, format!("CREATE TABLE {table} (id BIGINT PRIMARY KEY, status VARCHAR(16) NOT NULL, touched INT NOT NULL DEFAULT 0)"))
+            .await;
+        exec(&pool, format!("CREATE TRIGGER {table}_bu BEFORE UPDATE ON {table} FOR EACH ROW SET NEW.touched = NEW.touched"))
+            .await;
+        exec(
+            &pool,
+            format!("INSERT INTO {table} (id, status) VALUES (1, 'UNPAID'), (2, 'CANCELLED')"),
+        )
+        .await;
+        let pay: StateGuard<String> =
+            Table::new(&table, "id").unwrap().state("status", ["UNPAID"], "PAID").unwrap();
+        let answers = [
+            pay.apply(&pool, 1_i64).await.map_err(|e| e.to_string()),
+            pay.apply(&pool, 1_i64).await.map_err(|e| e.to_string()),
+            pay.apply(&pool, 2_i64).await.map_err(|e| e.to_string()),
+        ];
+        exec(&pool, format!("DROP TABLE {table}")).await;
+        assert_eq!(
+            answers,
+            [
+                Ok(StateChange::Applied),
+                Ok(StateChange::AlreadyApplied),
+                Ok(StateChange::Conflict("CANCELLED".to_string()))
+            ]
+        );
+    }
+
+    /// The version column is the guard's to bump, and `set` refuses it by name; but
+    /// MySQL's column names are case-insensitive, so `set("VERSION", 100)` passes the
+    /// check and the update writes `version = 100, version = version + 1`: the
+    /// version jumps to 101.
+    #[tokio::test]
+    async fn the_version_column_cannot_be_set_under_another_spelling() {
+        let Some(pool) = mysql::pool(2).await else { return };
+        let table = mysql::table("guard_version_case");
+        exec(&pool, format!("CREATE TABLE {table} (id BIGINT PRIMARY KEY, stock BIGINT NOT NULL, version BIGINT NOT NULL)"))
+            .await;
+        exec(&pool, format!("INSERT INTO {table} VALUES (1, 10, 1)")).await;
+        let guard = Table::new(&table, "id").unwrap().versioned("version").unwrap();
+        let bump = guard.set("stock", 9_i64).set("VERSION", 100_i64).apply(&pool, 1_i64, 1).await;
+        let sql = format!("SELECT version FROM {table} WHERE id = 1");
+        let version: i64 =
+            sqlx::query_scalar(sqlx::AssertSqlSafe(sql)).fetch_one(&pool).await.unwrap();
+        exec(&pool, format!("DROP TABLE {table}")).await;
+        assert!(bump.is_err(), "{bump:?}, and the version is now {version}");
+    }
+}
