@@ -356,3 +356,107 @@ async fn on_no_store_the_attempt_is_the_quorum_queue_delivery_count() {
     assert_eq!(*seen.lock().unwrap(), [Some(1), Some(2), Some(3)]);
     channel.queue_delete(queue.as_str().into(), Default::default()).await.unwrap();
 }
+
+/// Fails retryably on its first call only, on `NoStore`, noting the delivery count it
+/// ran at.
+#[idempotent(key = "{/id}", store = idempotent::NoStore, max_attempts = 3)]
+async fn rabbit_flaky_once(
+    msg: RabbitMessage,
+    seen: &std::sync::Mutex<Vec<Option<u32>>>,
+) -> Result<(), std::io::Error> {
+    let mut seen = seen.lock().unwrap();
+    seen.push(idempotent::delivery::delivery_count());
+    if seen.len() == 1 { Err(std::io::ErrorKind::TimedOut.into()) } else { Ok(()) }
+}
+
+/// A dead letter replayed into its queue (its copy moved back as it is, the usual
+/// way to retry dead letters once the cause is fixed) is a first delivery, and its
+/// handler gets all of its attempts again. The consumer's dead-letter copy keeps the
+/// quorum queue's `x-delivery-count` header, and the consumer reads that header even
+/// on a delivery the broker marks as not redelivered, so the replayed message starts
+/// at the attempt it was dead-lettered at: its first transient failure dead-letters
+/// it again.
+#[tokio::test]
+async fn on_no_store_a_replayed_dead_letter_starts_again_at_attempt_one() {
+    let Some((_connection, channel)) = open().await else { return };
+    let queue = testing::fresh_key("rabbit-replay").namespace().to_owned();
+    let dead = format!("{queue}.dead");
+    let mut arguments = FieldTable::default();
+    arguments.insert("x-queue-type".into(), AMQPValue::LongString("quorum".into()));
+    let durable = QueueDeclareOptions { durable: true, ..Default::default() };
+    channel.queue_declare(queue.as_str().into(), durable, arguments).await.unwrap();
+    plain_queue(&channel, &dead).await;
+    let (_c, consumer_channel) = open().await.unwrap();
+    let consumer = RabbitConsumer::new(&consumer_channel, &queue, "c").await.unwrap();
+    let mut consumer = consumer.retry_delay(Duration::from_millis(50));
+    publish(&channel, &queue, r#"{"id":1}"#).await;
+    let seen = std::sync::Mutex::new(Vec::new());
+    for _ in 0..3 {
+        let next = consumer.next(|m| rabbit_always_flaky(m, &seen));
+        tokio::time::timeout(Duration::from_secs(10), next).await.unwrap().unwrap().unwrap();
+    }
+    // Replay the dead letter: its body and properties, back into the queue.
+    let copy = channel.basic_get(dead.as_str().into(), BasicGetOptions { no_ack: true });
+    let copy = copy.await.unwrap().expect("the message was dead-lettered");
+    publish_with(
+        &channel,
+        &queue,
+        std::str::from_utf8(&copy.delivery.data).unwrap(),
+        copy.delivery.properties.clone(),
+    )
+    .await;
+
+    let seen = std::sync::Mutex::new(Vec::new());
+    let mut settled = Vec::new();
+    for _ in 0..2 {
+        let next = consumer.next(|m| rabbit_flaky_once(m, &seen));
+        let next = tokio::time::timeout(Duration::from_secs(3), next).await;
+        match next {
+            Ok(next) => settled.push(next.unwrap().unwrap()),
+            Err(_) => break, // nothing more to consume: it went to the dead-letter queue
+        }
+    }
+    assert_eq!(
+        (settled, seen.into_inner().unwrap()),
+        (vec![Disposition::Retry, Disposition::Ack], vec![Some(1), Some(2)]),
+        "the replayed message was counted from its old x-delivery-count header"
+    );
+    channel.queue_delete(queue.as_str().into(), Default::default()).await.unwrap();
+}
+
+/// Succeeds, on `NoStore`, noting the delivery count it ran at.
+#[idempotent(key = "{/id}", store = idempotent::NoStore, max_attempts = 3)]
+async fn rabbit_fine(
+    msg: RabbitMessage,
+    seen: &std::sync::Mutex<Vec<Option<u32>>>,
+) -> Result<(), std::io::Error> {
+    seen.lock().unwrap().push(idempotent::delivery::delivery_count());
+    Ok(())
+}
+
+/// On a classic queue, which keeps no count, an `x-delivery-count` header is whatever
+/// the publisher (or an earlier dead-letter copy, a shovel, a bridge) put there. A
+/// first delivery carrying `x-delivery-count: 5` must still be attempt 1; the consumer
+/// reads it as delivery 6, so a handler with `max_attempts = 3` on `NoStore` never
+/// runs, and the message is dead-lettered as "3 attempt(s) never finished".
+#[tokio::test]
+async fn on_no_store_a_published_delivery_count_header_is_not_the_attempt() {
+    let Some((_connection, channel)) = open().await else { return };
+    let queue = testing::fresh_key("rabbit-forged").namespace().to_owned();
+    plain_queue(&channel, &queue).await;
+    plain_queue(&channel, &format!("{queue}.dead")).await;
+    let mut headers = FieldTable::default();
+    headers.insert("x-delivery-count".into(), AMQPValue::LongLongInt(5));
+    let properties = BasicProperties::default().with_headers(headers);
+    publish_with(&channel, &queue, r#"{"id":1}"#, properties).await;
+    let (_c, consumer_channel) = open().await.unwrap();
+    let mut consumer = RabbitConsumer::new(&consumer_channel, &queue, "c").await.unwrap();
+    let seen = std::sync::Mutex::new(Vec::new());
+    let next = consumer.next(|m| rabbit_fine(m, &seen));
+    let settled = tokio::time::timeout(Duration::from_secs(10), next).await.unwrap();
+    assert_eq!(
+        (settled.unwrap().unwrap(), seen.into_inner().unwrap()),
+        (Disposition::Ack, vec![Some(1)]),
+        "a first delivery was taken for the sixth"
+    );
+}
