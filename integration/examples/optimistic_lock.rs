@@ -95,5 +95,11 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         left >= 0 && left + reserved == 100 && version == reserved
     };
     assert!(rows.iter().all(exact), "a SKU's units left + reserved is not the 100 it had");
+    // Demand exceeds stock, so every unit is sold, and the only dead letters are the two
+    // deliveries of each of the 200 orders that found their SKU sold out: a lost race
+    // is retried, never dead-lettered.
+    assert!(rows.iter().all(|&(left, _, _)| left == 0), "units left unsold");
+    let dead = settled.lock().unwrap().get(&Disposition::DeadLetter).copied().unwrap_or(0);
+    assert_eq!(dead, 400, "an order was dead-lettered although stock was left for it");
     Ok(())
 }

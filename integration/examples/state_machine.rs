@@ -95,5 +95,14 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     .await?;
     println!("settled: {:?}", settled.lock().unwrap());
     assert_eq!(wrong, (0, 0, 0, 0), "charged twice, charged while cancelled, paid uncharged, lost");
+    // Only refusals of a real conflict are dead letters: a cancelled order refuses its
+    // three payments, a paid one refuses its cancel (one in five orders gets one). A
+    // duplicate payment is acked as a duplicate, never dead-lettered.
+    let cancelled: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM sm_orders WHERE status = 'CANCELLED'")
+            .fetch_one(&db)
+            .await?;
+    let dead = settled.lock().unwrap().get(&Disposition::DeadLetter).copied().unwrap_or(0);
+    assert_eq!(dead as i64, 3 * cancelled + (100 - cancelled), "a duplicate was dead-lettered");
     Ok(())
 }
