@@ -26,11 +26,9 @@ fn from_unpaid(to: &str) -> StateGuard<String> {
 }
 static PAY: LazyLock<StateGuard<String>> = LazyLock::new(|| from_unpaid("PAID"));
 static CANCEL: LazyLock<StateGuard<String>> = LazyLock::new(|| from_unpaid("CANCELLED"));
-
-/// Charges the order once: the guard and the charge commit together.
 #[idempotent(key = "paid:{order}", store = NoStore)]
 async fn paid(order: i64, db: &PgPool, fail: bool) -> Result<(), OrderError> {
-    let mut tx = db.begin().await?;
+    let mut tx = db.begin().await?; // the guard and the charge commit together
     PAY.apply(&mut *tx, order).await?.into_result()?;
     sqlx::query("INSERT INTO sm_charges VALUES ($1, 500)").bind(order).execute(&mut *tx).await?;
     if fail {
@@ -57,12 +55,10 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     )
     .execute(&db)
     .await?;
-    // (order, is_cancel), shuffled: some cancels come before their order's payments.
     let mut messages: Vec<(i64, bool)> = (1..=500).flat_map(|o| [(o, false); 3]).collect();
     messages.extend((1..=500).step_by(5).map(|o| (o, true)));
     messages.sort_by_key(|&(o, cancel)| (o * 7919 + i64::from(cancel) * 504) % 1009);
     let queue = Arc::new(Mutex::new(VecDeque::from(messages)));
-
     let settled = Arc::new(Mutex::new(HashMap::<Disposition, usize>::new()));
     let consumers: Vec<_> = (0..4)
         .map(|_| {
@@ -85,24 +81,19 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     for consumer in consumers {
         consumer.await?;
     }
-    // Per order: charged twice; charged but not PAID; PAID but not charged; untouched.
-    let wrong: (i64, i64, i64, i64) = sqlx::query_as(
+    // Orders charged twice, charged but not PAID, PAID but not charged, untouched; cancelled.
+    let (twice, wrongly, uncharged, lost, cancelled): (i64, i64, i64, i64, i64) = sqlx::query_as(
         "SELECT count(*) FILTER (WHERE n > 1), count(*) FILTER (WHERE status <> 'PAID' AND n > 0),
-                count(*) FILTER (WHERE status = 'PAID' AND n = 0), count(*) FILTER (WHERE status = 'UNPAID')
+                count(*) FILTER (WHERE status = 'PAID' AND n = 0), count(*) FILTER (WHERE status = 'UNPAID'),
+                count(*) FILTER (WHERE status = 'CANCELLED')
          FROM (SELECT status, (SELECT count(*) FROM sm_charges WHERE order_id = id) n FROM sm_orders) t",
     )
     .fetch_one(&db)
     .await?;
     println!("settled: {:?}", settled.lock().unwrap());
-    assert_eq!(wrong, (0, 0, 0, 0), "charged twice, charged while cancelled, paid uncharged, lost");
-    // Only refusals of a real conflict are dead letters: a cancelled order refuses its
-    // three payments, a paid one refuses its cancel (one in five orders gets one). A
-    // duplicate payment is acked as a duplicate, never dead-lettered.
-    let cancelled: i64 =
-        sqlx::query_scalar("SELECT count(*) FROM sm_orders WHERE status = 'CANCELLED'")
-            .fetch_one(&db)
-            .await?;
-    let dead = settled.lock().unwrap().get(&Disposition::DeadLetter).copied().unwrap_or(0);
-    assert_eq!(dead as i64, 3 * cancelled + (100 - cancelled), "a duplicate was dead-lettered");
+    assert_eq!((twice, wrongly, uncharged, lost), (0, 0, 0, 0), "an order charged wrongly or lost");
+    // Dead letters are only real conflicts (a cancelled order's 3 payments, a paid one's cancel).
+    let dead = settled.lock().unwrap()[&Disposition::DeadLetter] as i64;
+    assert_eq!(dead, 3 * cancelled + (100 - cancelled), "a duplicate was dead-lettered");
     Ok(())
 }

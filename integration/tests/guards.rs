@@ -235,12 +235,10 @@ macro_rules! guard_cases {
                 drop_table(&pool, &table).await;
             }
 
-            /// A key column that is not unique must leave the rows as they were: the
-            /// guard answers an error, so the caller believes nothing changed. Through
-            /// a pool the statement commits on its own, and the guard reports the
-            /// error only after its `UPDATE` has changed every matching row: both
-            /// UNPAID orders end up PAID (and both versioned rows bumped) although
-            /// each call failed.
+            /// A key column that is not unique is an error, and the rows are as they
+            /// were once the caller's transaction rolls back on it (on PostgreSQL the
+            /// guard's update does not change them in the first place: see
+            /// `on_postgres_only::a_key_matching_several_rows_is_left_alone_through_a_pool`).
             #[tokio::test]
             async fn a_key_matching_several_rows_changes_none_of_them() {
                 let Some(pool) = pool(4).await else { return };
@@ -249,11 +247,15 @@ macro_rules! guard_cases {
                 exec(&pool, format!("INSERT INTO {table} VALUES (1, 'UNPAID', 1), (1, 'UNPAID', 1)")).await;
                 let rows = Table::new(&table, "id").unwrap();
                 let pay: StateGuard<String> = rows.state("status", ["UNPAID"], "PAID").unwrap();
-                let error = pay.apply(&pool, 1_i64).await.unwrap_err();
+                let mut tx = pool.begin().await.unwrap();
+                let error = pay.apply(&mut *tx, 1_i64).await.unwrap_err();
                 assert!(error.to_string().contains("must be unique"), "{error}");
+                tx.rollback().await.unwrap();
                 let versioned = rows.versioned("version").unwrap();
-                let error = versioned.set("status", "X").apply(&pool, 1_i64, 1).await.unwrap_err();
+                let mut tx = pool.begin().await.unwrap();
+                let error = versioned.set("status", "X").apply(&mut *tx, 1_i64, 1).await.unwrap_err();
                 assert!(error.to_string().contains("must be unique"), "{error}");
+                tx.rollback().await.unwrap();
                 let sql = format!("SELECT status, version FROM {table} ORDER BY status");
                 let after: Vec<(String, i64)> = sqlx::query_as(sqlx::AssertSqlSafe(sql)).fetch_all(&pool).await.unwrap();
                 drop_table(&pool, &table).await;
@@ -389,6 +391,29 @@ guard_cases!(on_mysql, sqlx::MySql, mysql::pool, '`');
 /// PostgreSQL only: column types and isolation levels.
 mod on_postgres_only {
     use super::*;
+
+    /// On PostgreSQL the guards' updates apply only when the key names one row, so
+    /// even through a pool (each statement committed on its own) a key column that
+    /// is not unique leaves the rows as they were.
+    #[tokio::test]
+    async fn a_key_matching_several_rows_is_left_alone_through_a_pool() {
+        let Some(pool) = postgres::pool(4).await else { return };
+        let table = mysql::table("guard_dupes_pool");
+        exec(&pool, format!("CREATE TABLE {table} (id BIGINT NOT NULL, status TEXT NOT NULL, version BIGINT NOT NULL)")).await;
+        exec(&pool, format!("INSERT INTO {table} VALUES (1, 'UNPAID', 1), (1, 'UNPAID', 1)")).await;
+        let rows = Table::new(&table, "id").unwrap();
+        let pay: StateGuard<String> = rows.state("status", ["UNPAID"], "PAID").unwrap();
+        let error = pay.apply(&pool, 1_i64).await.unwrap_err();
+        assert!(error.to_string().contains("must be unique"), "{error}");
+        let versioned = rows.versioned("version").unwrap();
+        let error = versioned.set("status", "X").apply(&pool, 1_i64, 1).await.unwrap_err();
+        assert!(error.to_string().contains("must be unique"), "{error}");
+        let sql = format!("SELECT status, version FROM {table}");
+        let after: Vec<(String, i64)> =
+            sqlx::query_as(sqlx::AssertSqlSafe(sql)).fetch_all(&pool).await.unwrap();
+        exec(&pool, format!("DROP TABLE {table}")).await;
+        assert_eq!(after, [("UNPAID".to_string(), 1), ("UNPAID".to_string(), 1)]);
+    }
 
     async fn exec(pool: &sqlx::PgPool, sql: String) {
         sqlx::raw_sql(sqlx::AssertSqlSafe(sql)).execute(pool).await.unwrap();

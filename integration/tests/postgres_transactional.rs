@@ -510,7 +510,9 @@ async fn eight_consumers_with(claim: TransactionalClaim) {
         sqlx::query_as(AssertSqlSafe(sql)).fetch_one(bank.store.pool()).await.unwrap();
     assert_eq!((rows, distinct), (UNIQUE, UNIQUE), "one ledger row per message");
     assert_eq!(total, (0..UNIQUE).map(|id| 100 + id).sum::<i64>());
-    assert_eq!(processed.load(Ordering::SeqCst), UNIQUE as usize);
+    // A call cut off by the deadline after its commit went through is redelivered and
+    // answered as a duplicate, so its `Processed` is never seen: at most one each.
+    assert!(processed.load(Ordering::SeqCst) <= UNIQUE as usize);
     let sql = format!("SELECT count(*) FROM {} WHERE state = 'D'", bank.records);
     let done: i64 =
         sqlx::query_scalar(AssertSqlSafe(sql)).fetch_one(bank.store.pool()).await.unwrap();

@@ -259,7 +259,14 @@ impl RabbitConsumer {
     /// Publishes `message` to the dead-letter queue and waits for the broker to
     /// confirm it was stored; refused or unroutable is an error.
     async fn publish_dead_letter(&self, message: &RabbitMessage) -> lapin::Result<()> {
-        let mut headers = message.properties.headers().clone().unwrap_or_default();
+        // Without the broker's delivery count: a replayed dead letter starts again.
+        let mut headers: FieldTable = (message.properties.headers().as_ref())
+            .map(|h| h.inner().iter().filter(|(k, _)| k.as_str() != "x-delivery-count"))
+            .into_iter()
+            .flatten()
+            .map(|(k, v)| (k.clone(), v.clone()))
+            .collect::<std::collections::BTreeMap<_, _>>()
+            .into();
         headers.insert(
             "x-idempotent-source-queue".into(),
             AMQPValue::LongString(self.queue.clone().into()),
@@ -359,10 +366,15 @@ impl Held {
     }
 }
 
-/// The delivery's count: quorum queues count earlier deliveries in
-/// `x-delivery-count`; a first delivery is 1 anywhere; a classic queue's redelivery
-/// is not counted.
+/// The delivery's count: a first delivery is 1 anywhere; quorum queues count earlier
+/// deliveries of a redelivered one in `x-delivery-count`; a classic queue's
+/// redelivery is not counted.
 fn delivery_count(redelivered: bool, properties: &BasicProperties) -> Option<u32> {
+    // A first delivery is 1 whatever its headers say: a producer may have set
+    // `x-delivery-count`, or copied it from a dead letter it replays.
+    if !redelivered {
+        return Some(1);
+    }
     let earlier = properties.headers().as_ref().and_then(|h| h.inner().get("x-delivery-count"));
     let earlier = match earlier {
         Some(AMQPValue::LongLongInt(n)) => u32::try_from(*n).ok(),
@@ -372,7 +384,6 @@ fn delivery_count(redelivered: bool, properties: &BasicProperties) -> Option<u32
         Some(AMQPValue::ShortUInt(n)) => Some(u32::from(*n)),
         Some(AMQPValue::ShortShortInt(n)) => u32::try_from(*n).ok(),
         Some(AMQPValue::ShortShortUInt(n)) => Some(u32::from(*n)),
-        _ if !redelivered => Some(0),
         _ => None,
     };
     earlier.and_then(|n| n.checked_add(1))

@@ -212,13 +212,19 @@ impl<S> Classify for StateRefused<S> {
 /// Moves a row's state column from one of some states to a target state in one
 /// conditional `UPDATE`; see the [module documentation](self).
 ///
-/// Costs: one statement when the change applies or the row is already in the target
-/// state (on MySQL also when the row is missing); one more, to read the state, on a
-/// conflict (MySQL) or a missing row (PostgreSQL reads it in the same statement). On
-/// PostgreSQL at READ COMMITTED, a row changed by another transaction while the update
-/// waited for its lock is read again, so the answer is about the row as the update
-/// found it. On MySQL the statement sets `LAST_INSERT_ID()` on the connection (it
-/// carries the answer back): read your own inserts' ids from their own results.
+/// Costs: one statement, on PostgreSQL whatever the answer; on MySQL one more on a
+/// conflict (a locking read of the state). States are compared by the
+/// database, in the column's collation: a row already in the target state is
+/// `AlreadyApplied` even when the target is also listed among the sources. When the
+/// row changed between the update and the answer (on PostgreSQL at READ COMMITTED, a
+/// change committed while the update waited for its lock; on MySQL outside a
+/// transaction, a change between the two statements) and it is now in one of the
+/// `from` states, the guard asks again, so the answer is about the row as the update
+/// found it. A key column that is not unique is an error; on PostgreSQL the update
+/// then changes nothing, on MySQL it has changed the matching rows, which rolling back
+/// the caller's transaction undoes (through a pool they stay changed). On MySQL the statement sets
+/// `LAST_INSERT_ID()` on the connection (it carries the answer back): read your own
+/// inserts' ids from their own results.
 #[derive(Debug)]
 pub struct StateGuard<S> {
     table: Table,
@@ -256,8 +262,10 @@ impl<S> StateGuard<S> {
 /// bumping it by one; see the [module documentation](self).
 ///
 /// Costs: one statement when the update applies, two when it does not (the second
-/// reads the current version, with a locking read on MySQL so that a REPEATABLE READ
-/// snapshot does not answer with an old one).
+/// reads the current version with a locking read, so that a REPEATABLE READ snapshot
+/// does not answer with an old one). A key column that is not unique is an error; on
+/// PostgreSQL the update then changes nothing, on MySQL it has changed the matching
+/// rows, which rolling back the caller's transaction undoes.
 #[derive(Debug, Clone)]
 pub struct VersionGuard {
     table: Table,
@@ -301,9 +309,13 @@ impl<'g, DB: GuardDatabase> Update<'g, DB> {
     pub fn set<T: Value<DB>>(mut self, column: &str, value: T) -> Self {
         let column = Ident::new(column).map_err(|e| sqlx::Error::Configuration(e.into()));
         self.args = match (self.args, column) {
-            (Ok(_), Ok(column)) if column == self.guard.version => Err(sqlx::Error::Configuration(
-                format!("`{}` is the version column, which the guard bumps", column.0).into(),
-            )),
+            // Compared as MySQL compares names (PostgreSQL's quoted names are
+            // case-sensitive, so there this only refuses a near miss).
+            (Ok(_), Ok(column)) if column.0.eq_ignore_ascii_case(&self.guard.version.0) => {
+                Err(sqlx::Error::Configuration(
+                    format!("`{}` is the version column, which the guard bumps", column.0).into(),
+                ))
+            }
             (Ok(mut args), Ok(column)) => match args.add(value) {
                 Ok(()) => {
                     self.columns.push(column);
@@ -465,6 +477,14 @@ fn not_updated(table: &Table, versions: &[i64]) -> Result<VersionChange, sqlx::E
         [version] => Ok(VersionChange::Stale(*version)),
         _ => Err(not_unique(table, versions.len() as u64)),
     }
+}
+
+/// How many times a state change is tried again when the row changed under it.
+const RACES: usize = 8;
+
+/// The error for a row whose state kept changing between a guard's statements.
+fn changing_row(column: &Ident) -> sqlx::Error {
+    sqlx::Error::Protocol(format!("the row's `{column}` kept changing while it was being updated"))
 }
 
 /// The error for a state column holding NULL, which no guard's `from` can match.

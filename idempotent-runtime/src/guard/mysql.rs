@@ -4,8 +4,8 @@ use sqlx::mysql::MySqlArguments;
 use sqlx::{Arguments, AssertSqlSafe, Decode, MySql, MySqlConnection, SqlSafeStr, SqlStr};
 
 use super::{
-    GuardDatabase, Ident, StateChange, StateGuard, Value, VersionChange, VersionGuard, not_unique,
-    not_updated, quoted, quoted_table, updated,
+    GuardDatabase, Ident, RACES, StateChange, StateGuard, Value, VersionChange, VersionGuard,
+    changing_row, not_unique, not_updated, null_state, quoted, quoted_table, updated,
 };
 
 /// The answers the state update hands back through `LAST_INSERT_ID(expr)`, which the
@@ -25,39 +25,55 @@ impl GuardDatabase for MySql {
         K: Value<Self>,
     {
         let sql = guard.sql.mysql.get_or_init(|| state_sql(guard));
-        let mut query = sqlx::query(sql.clone());
-        for state in &guard.from {
-            query = query.bind(state);
-        }
-        let done = query.bind(&guard.to).bind(&guard.to).bind(key).execute(&mut *conn).await?;
-        // sqlx asks for found rows: the row counts as affected even when its
-        // state is left as it was.
-        match (done.rows_affected(), done.last_insert_id()) {
-            (0, _) => Ok(StateChange::NotFound),
-            (1, APPLIED) => Ok(StateChange::Applied),
-            (1, ALREADY_APPLIED) => Ok(StateChange::AlreadyApplied),
-            (1, CONFLICT) => {
-                // The update locked the row, so inside a transaction this read
-                // sees the state it found; on its own, the state now.
-                let table = quoted_table(&guard.table, '`');
-                let (k, c) = (quoted(&guard.table.key, '`'), quoted(&guard.column, '`'));
-                let read = format!("SELECT {c} FROM {table} WHERE {k} = ? LOCK IN SHARE MODE");
-                let state: Option<Option<S>> = sqlx::query_scalar(AssertSqlSafe(read))
-                    .bind(key)
-                    .fetch_optional(&mut *conn)
-                    .await?;
-                match state {
-                    None => Ok(StateChange::NotFound),
-                    Some(None) => Err(super::null_state(&guard.column)),
-                    Some(Some(state)) if state == guard.to => Ok(StateChange::AlreadyApplied),
-                    Some(Some(state)) => Ok(StateChange::Conflict(state)),
+        for _ in 0..RACES {
+            let mut query = sqlx::query(sql.clone()).bind(&guard.to);
+            for state in &guard.from {
+                query = query.bind(state);
+            }
+            let done = query.bind(&guard.to).bind(key).execute(&mut *conn).await?;
+            // sqlx asks for found rows: the row counts as affected even when its state
+            // is left as it was.
+            let verdict = match (done.rows_affected(), done.last_insert_id()) {
+                (0, _) => return Ok(StateChange::NotFound),
+                (1, 0) => {
+                    // MariaDB leaves the answer out of the reply when the table has a
+                    // trigger; the session still holds it.
+                    sqlx::query_scalar::<_, u64>("SELECT LAST_INSERT_ID()")
+                        .fetch_one(&mut *conn)
+                        .await?
+                }
+                (1, verdict) => verdict,
+                (n, _) => return Err(not_unique(&guard.table, n)),
+            };
+            match verdict {
+                APPLIED => return Ok(StateChange::Applied),
+                ALREADY_APPLIED => return Ok(StateChange::AlreadyApplied),
+                CONFLICT => {}
+                other => {
+                    return Err(sqlx::Error::Protocol(format!(
+                        "the state update answered {other}, not one of 1, 2 or 3"
+                    )));
                 }
             }
-            (1, other) => Err(sqlx::Error::Protocol(format!(
-                "the state update answered {other}, not one of 1, 2 or 3"
-            ))),
-            (n, _) => Err(not_unique(&guard.table, n)),
+            // The update locked the row, so inside a transaction this read sees the
+            // state it found; on its own, the state now, which another writer may have
+            // changed since: a state the change is allowed from means trying again.
+            let read = read_state_sql(guard);
+            let mut query =
+                sqlx::query_as::<_, (Option<S>, Option<bool>, Option<bool>)>(AssertSqlSafe(read))
+                    .bind(&guard.to);
+            for state in &guard.from {
+                query = query.bind(state);
+            }
+            match query.bind(key).fetch_optional(&mut *conn).await? {
+                None => return Ok(StateChange::NotFound),
+                Some((None, ..)) => return Err(null_state(&guard.column)),
+                Some((_, Some(true), _)) => return Ok(StateChange::AlreadyApplied),
+                Some((_, _, Some(true))) => continue,
+                Some((Some(state), ..)) => return Ok(StateChange::Conflict(state)),
+            }
         }
+        Err(changing_row(&guard.column))
     }
 
     async fn update_versioned<'a, K>(
@@ -95,17 +111,35 @@ impl GuardDatabase for MySql {
     }
 }
 
-/// One `UPDATE` that changes the state only if it is one of `from` and hands back,
-/// through `LAST_INSERT_ID(expr)`, which case it met. The assignment reads the column
-/// before it is written.
+/// One `UPDATE` that changes the state only if it is one of `from` (and not already
+/// `to`: the target wins when it is listed among the sources too, or equal to one in
+/// the column's collation) and hands back, through `LAST_INSERT_ID(expr)`, which case
+/// it met. The assignment reads the column before it is written. Binds: `to`, the
+/// `from` states, `to`, the key.
+///
+/// Unlike PostgreSQL's, the statement does not check that the key names one row: a
+/// count of the key's rows inside the `UPDATE` is a locking read under REPEATABLE
+/// READ, and concurrent guards on one row deadlocked on it. A key column that is not
+/// unique is reported after the update changed every matching row, which the caller's
+/// transaction, rolled back on the error, undoes.
 fn state_sql<S>(guard: &StateGuard<S>) -> SqlStr {
     let table = quoted_table(&guard.table, '`');
     let (k, c) = (quoted(&guard.table.key, '`'), quoted(&guard.column, '`'));
     let from = vec!["?"; guard.from.len()].join(", ");
     AssertSqlSafe(format!(
-        "UPDATE {table} SET {c} = IF(LAST_INSERT_ID(CASE WHEN {c} IN ({from}) THEN {APPLIED} \
-         WHEN {c} = ? THEN {ALREADY_APPLIED} ELSE {CONFLICT} END) = {APPLIED}, ?, {c}) \
+        "UPDATE {table} SET {c} = IF(LAST_INSERT_ID(CASE WHEN {c} = ? THEN {ALREADY_APPLIED} \
+         WHEN {c} IN ({from}) THEN {APPLIED} ELSE {CONFLICT} END) = {APPLIED}, ?, {c}) \
          WHERE {k} = ?"
     ))
     .into_sql_str()
+}
+
+/// Reads the state with a locking read, and whether the database finds it equal to
+/// `to` or to one of `from` (in the column's collation). Binds: `to`, the `from`
+/// states, the key.
+fn read_state_sql<S>(guard: &StateGuard<S>) -> String {
+    let table = quoted_table(&guard.table, '`');
+    let (k, c) = (quoted(&guard.table.key, '`'), quoted(&guard.column, '`'));
+    let from = vec!["?"; guard.from.len()].join(", ");
+    format!("SELECT {c}, {c} = ?, {c} IN ({from}) FROM {table} WHERE {k} = ? LOCK IN SHARE MODE")
 }

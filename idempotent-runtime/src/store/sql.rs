@@ -112,10 +112,11 @@ fn mysql_number(_: &dyn sqlx::error::DatabaseError) -> Option<u16> {
 /// SQLSTATE does not say so: lock wait timeout (1205), deadlock (1213), too many
 /// connections (1040, 1203), server shutting down (1053), statement interrupted or
 /// timed out (1317, 1969, 3024), connection killed (1927) or closed for inactivity
-/// (4031), and a server that is read-only for now, as during a failover (1290, 1792,
-/// 1836).
-const MYSQL_RETRYABLE: [u16; 13] =
-    [1205, 1213, 1040, 1203, 1053, 1317, 1969, 3024, 1927, 4031, 1290, 1792, 1836];
+/// (4031), a server that is read-only for now, as during a failover (1290, 1792,
+/// 1836), and a write to a row changed since the transaction's snapshot under
+/// MariaDB's `innodb_snapshot_isolation` (1020, on by default from 11.6.2).
+const MYSQL_RETRYABLE: [u16; 14] =
+    [1205, 1213, 1040, 1203, 1053, 1317, 1969, 3024, 1927, 4031, 1290, 1792, 1836, 1020];
 
 /// A duration in whole milliseconds for SQL parameters: at least 1, at most
 /// `Spec::MAX_DURATION` (100 years: a PostgreSQL interval ends at about 178 million
