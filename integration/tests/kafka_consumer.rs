@@ -561,3 +561,54 @@ fn a_zero_commit_interval_commits_each_record_and_sleeps_while_idle() {
         }
     });
 }
+
+/// `run` commits settled offsets every `commit_interval` (100 ms): "a crash loses at
+/// most this much of commits". The commit timer lives in the stream of deliveries,
+/// which is polled only while a slot is free; with every slot taken by a handler that
+/// takes long (here `concurrency(1)` and a 20 s handler), records settled just before
+/// it are not committed until it returns, and a crash meanwhile hands them out again.
+#[test]
+fn settled_records_are_committed_while_every_slot_is_busy() {
+    let Some(broker) = Broker::start() else { return };
+    block_on(async {
+        let topic = testing::fresh_key("kafka-busy").namespace().to_owned();
+        broker.create_topics(&[(&topic, 1), (&format!("{topic}.dead"), 1)]).await;
+        let producer: FutureProducer = broker.config().create().unwrap();
+        for i in 0..3 {
+            produce(&producer, &topic, 0, &i.to_string()).await;
+        }
+        let consumer =
+            KafkaConsumer::new(broker.member("g", &topic), producer, format!("{topic}.dead"))
+                .concurrency(1);
+        let slow_started = tokio::sync::Notify::new();
+        let run = consumer.run(|m| {
+            let slow = body(&m) == "2";
+            if slow {
+                slow_started.notify_one();
+            }
+            async move {
+                if slow {
+                    tokio::time::sleep(Duration::from_secs(20)).await;
+                }
+                ok()
+            }
+        });
+        let check = async {
+            slow_started.notified().await;
+            // Fifteen commit intervals while record 2 is handled.
+            tokio::time::sleep(Duration::from_millis(1500)).await;
+            let committed = consumer.consumer().committed(Duration::from_secs(5)).unwrap();
+            let offsets: Vec<_> = committed.elements().iter().map(|e| e.offset()).collect();
+            assert_eq!(
+                offsets,
+                [rdkafka::Offset::Offset(2)],
+                "records 0 and 1 were settled 1.5 s ago and are not committed"
+            );
+        };
+        tokio::select! {
+            () = check => {}
+            ended = run => panic!("run ended: {ended:?}"),
+            () = tokio::time::sleep(Duration::from_secs(40)) => panic!("record 2 never started"),
+        }
+    });
+}
