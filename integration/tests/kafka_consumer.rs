@@ -612,3 +612,55 @@ fn settled_records_are_committed_while_every_slot_is_busy() {
         }
     });
 }
+
+/// Records settled before their partition is revoked (a member joining or leaving, a
+/// resubscription) keep their place: the settled offsets not yet committed are
+/// committed at the revocation, as a consumer of Kafka does in its revoke callback.
+/// The consumer forgets them instead (the rebalance drops the partition's track,
+/// dirty commit and all), so every record settled within the last `commit_interval`
+/// before a rebalance is handed out again, without any crash. A long interval makes
+/// the window the whole test; at the default 100 ms it is the last 100 ms.
+#[test]
+fn records_settled_before_a_revocation_are_not_handed_out_again() {
+    use std::sync::Mutex;
+    let Some(broker) = Broker::start() else { return };
+    block_on(async {
+        let topic = testing::fresh_key("kafka-revoke-commit").namespace().to_owned();
+        broker.create_topics(&[(&topic, 1), (&format!("{topic}.dead"), 1)]).await;
+        let producer: FutureProducer = broker.config().create().unwrap();
+        for i in 0..5 {
+            produce(&producer, &topic, 0, &i.to_string()).await;
+        }
+        let consumer =
+            KafkaConsumer::new(broker.member("g", &topic), producer, format!("{topic}.dead"))
+                .commit_interval(Duration::from_secs(3600));
+        let handled = Mutex::new(Vec::<String>::new());
+        let run = consumer.run(|m| {
+            handled.lock().unwrap().push(body(&m));
+            async { ok() }
+        });
+        let script = async {
+            let deadline = Instant::now() + Duration::from_secs(20);
+            while handled.lock().unwrap().len() < 5 {
+                assert!(Instant::now() < deadline, "not every record was handled");
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            tokio::time::sleep(Duration::from_millis(300)).await;
+            // The partition leaves and comes back.
+            consumer.consumer().unsubscribe();
+            tokio::time::sleep(Duration::from_secs(1)).await;
+            consumer.consumer().subscribe(&[topic.as_str()]).unwrap();
+            tokio::time::sleep(Duration::from_secs(8)).await;
+            let handled = handled.lock().unwrap().clone();
+            assert_eq!(
+                handled,
+                ["0", "1", "2", "3", "4"],
+                "records settled before the revocation were handed out again"
+            );
+        };
+        tokio::select! {
+            ended = run => panic!("run ended: {ended:?}"),
+            () = script => {}
+        }
+    });
+}
