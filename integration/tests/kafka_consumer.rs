@@ -664,3 +664,53 @@ fn records_settled_before_a_revocation_are_not_handed_out_again() {
         }
     });
 }
+
+/// `run` ended (its future dropped) and the consumer dropped right after, as a
+/// service shutting down does: the settled offsets committed at the end of `run`
+/// reach the broker, and the next member hands out nothing that was settled.
+#[test]
+fn offsets_settled_before_a_shutdown_are_committed() {
+    use std::sync::Mutex;
+    let Some(broker) = Broker::start() else { return };
+    block_on(async {
+        let topic = testing::fresh_key("kafka-shutdown").namespace().to_owned();
+        let dead = format!("{topic}.dead");
+        broker.create_topics(&[(&topic, 1), (&dead, 1)]).await;
+        let producer: FutureProducer = broker.config().create().unwrap();
+        for i in 0..5 {
+            produce(&producer, &topic, 0, &i.to_string()).await;
+        }
+        let handled = Mutex::new(Vec::<String>::new());
+        {
+            let consumer =
+                KafkaConsumer::new(broker.member("g", &topic), producer.clone(), dead.clone())
+                    .commit_interval(Duration::from_secs(3600));
+            let run = consumer.run(|m| {
+                handled.lock().unwrap().push(body(&m));
+                async { ok() }
+            });
+            let wait = async {
+                let deadline = Instant::now() + Duration::from_secs(20);
+                while handled.lock().unwrap().len() < 5 {
+                    assert!(Instant::now() < deadline, "not every record was handled");
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                }
+            };
+            tokio::select! {
+                ended = run => panic!("run ended: {ended:?}"),
+                () = wait => {}
+            }
+        }
+        let again = KafkaConsumer::new(broker.member("g", &topic), producer, dead);
+        let run = again.run(|m| {
+            handled.lock().unwrap().push(body(&m));
+            async { ok() }
+        });
+        tokio::select! {
+            ended = run => panic!("run ended: {ended:?}"),
+            () = tokio::time::sleep(Duration::from_secs(8)) => {}
+        }
+        let handled = handled.lock().unwrap().clone();
+        assert_eq!(handled, ["0", "1", "2", "3", "4"], "settled records handed out again");
+    });
+}
