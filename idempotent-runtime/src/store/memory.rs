@@ -715,6 +715,8 @@ mod tests {
             Renew(u8, u64, u64),
             Advance(u64),
             Purge,
+            /// A transition with a token an earlier claim of the key won.
+            Stale(u8),
         }
 
         fn op() -> impl Strategy<Value = Op> {
@@ -729,6 +731,7 @@ mod tests {
                 (key, d.clone(), d).prop_map(|(k, l, t)| Op::Renew(k, l, t)),
                 prop::sample::select(vec![0u64, 5, 300, 1100, 3000]).prop_map(Op::Advance),
                 Just(Op::Purge),
+                (0u8..4).prop_map(Op::Stale),
             ]
         }
 
@@ -749,7 +752,7 @@ mod tests {
         proptest! {
             #![proptest_config(ProptestConfig::with_cases(512))]
             #[test]
-            fn agrees_with_a_plain_model(ops in prop::collection::vec(op(), 1..80), bound in any::<bool>()) {
+            fn agrees_with_a_plain_model(ops in prop::collection::vec(op(), 1..80), bound in any::<bool>(), boundary in any::<bool>()) {
                 let rt = tokio::runtime::Builder::new_current_thread()
                     .enable_time().start_paused(true).build().unwrap();
                 rt.block_on(async {
@@ -759,8 +762,24 @@ mod tests {
                     let mut tokens: HashMap<u8, Token> = HashMap::new();
                     let mut now = 0u64;
                     let mut last_purge = 0u64;
+                    let mut old_tokens: HashMap<u8, Vec<Token>> = HashMap::new();
                     // Lengths 3, 16, 28 and 40: records keep keys inline and on the heap.
-                    let key = |k: u8| Key::new("m", format!("{}{k}", "x".repeat(k as usize * 12))).unwrap();
+                    // Or keys at the inline limit that share their first bytes: 30 bytes,
+                    // the same plus one (31, on the heap), the 30 with a NUL last, and
+                    // the 30 less its last byte.
+                    let key = |k: u8| {
+                        if !boundary {
+                            return Key::new("m", format!("{}{k}", "x".repeat(k as usize * 12))).unwrap();
+                        }
+                        let mut id = vec![b'x'; 28];
+                        match k {
+                            0 => {}
+                            1 => id.push(b'x'),
+                            2 => *id.last_mut().unwrap() = 0,
+                            _ => { id.pop(); }
+                        }
+                        Key::new("m", id).unwrap()
+                    };
                     for op in ops {
                         let live = |m: &HashMap<u8, Rec>, k: u8, now: u64| m.get(&k).is_some_and(|r| r.expires > now);
                         let holds = |m: &HashMap<u8, Rec>, k: u8, now: u64, t: Option<&Token>| {
@@ -807,7 +826,9 @@ mod tests {
                                 match (expected, got.unwrap()) {
                                     (None, Claim::Won { token, attempt }) => {
                                         prop_assert_eq!(attempt, model[&k].attempts);
-                                        tokens.insert(k, token);
+                                        if let Some(old) = tokens.insert(k, token) {
+                                            old_tokens.entry(k).or_default().push(old);
+                                        }
                                     }
                                     (Some(e), g) => prop_assert_eq!(e, g),
                                     (None, g) => prop_assert!(false, "expected a win, got {:?}", g),
@@ -826,7 +847,7 @@ mod tests {
                                     let r = model.get_mut(&k).unwrap();
                                     r.s = if matches!(op, Op::Complete(..)) { S::Done } else { S::Failed };
                                     r.expires = now + t;
-                                    tokens.remove(&k);
+                                    old_tokens.entry(k).or_default().extend(tokens.remove(&k));
                                 }
                             }
                             Op::Release(k) => {
@@ -836,7 +857,7 @@ mod tests {
                                 prop_assert_eq!(got == Transition::Applied, applies);
                                 if applies {
                                     model.get_mut(&k).unwrap().s = S::Released;
-                                    tokens.remove(&k);
+                                    old_tokens.entry(k).or_default().extend(tokens.remove(&k));
                                 }
                             }
                             Op::Renew(k, l, t) => {
@@ -855,11 +876,24 @@ mod tests {
                                 tokio::time::advance(ms(d)).await;
                                 now += d;
                             }
+                            Op::Stale(k) => {
+                                for &old in old_tokens.get(&k).into_iter().flatten() {
+                                    let got = store.complete(&key(k), old, ms(5000), None).await.unwrap();
+                                    prop_assert_eq!(got, Transition::LeaseLost);
+                                    let got = store.renew(&key(k), old, ms(5000), ms(5000)).await.unwrap();
+                                    prop_assert_eq!(got, Transition::LeaseLost);
+                                    let got = store.release(&key(k), old).await.unwrap();
+                                    prop_assert_eq!(got, Transition::LeaseLost);
+                                }
+                            }
                             Op::Purge => {
                                 store.purge_expired();
                                 last_purge = now;
                                 let live_count = model.values().filter(|r| r.expires > now).count();
                                 prop_assert_eq!(store.len(), live_count);
+                                if bound {
+                                    prop_assert_eq!(store.held.load(atomic::Ordering::Relaxed), live_count);
+                                }
                             }
                         }
                     }
