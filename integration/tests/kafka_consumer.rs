@@ -714,3 +714,42 @@ fn offsets_settled_before_a_shutdown_are_committed() {
         assert_eq!(handled, ["0", "1", "2", "3", "4"], "settled records handed out again");
     });
 }
+
+/// At the default commit interval, the last records settled before the consumer goes
+/// idle are committed by the commit timer, with no later record to carry them.
+#[test]
+fn the_last_records_before_an_idle_spell_are_committed() {
+    let Some(broker) = Broker::start() else { return };
+    block_on(async {
+        let topic = testing::fresh_key("kafka-idle").namespace().to_owned();
+        broker.create_topics(&[(&topic, 2), (&format!("{topic}.dead"), 1)]).await;
+        let producer: FutureProducer = broker.config().create().unwrap();
+        for i in 0..10 {
+            produce(&producer, &topic, i % 2, &i.to_string()).await;
+        }
+        let consumer =
+            KafkaConsumer::new(broker.member("g", &topic), producer, format!("{topic}.dead"));
+        let handled = std::sync::atomic::AtomicUsize::new(0);
+        let run = consumer.run(|_| {
+            handled.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            async { ok() }
+        });
+        let check = async {
+            while handled.load(std::sync::atomic::Ordering::SeqCst) < 10 {
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+            tokio::time::sleep(Duration::from_millis(500)).await;
+            let committed = consumer.consumer().committed(Duration::from_secs(5)).unwrap();
+            let mut offsets: Vec<_> =
+                committed.elements().iter().map(|e| (e.partition(), e.offset())).collect();
+            offsets.sort_by_key(|&(partition, _)| partition);
+            let five = rdkafka::Offset::Offset(5);
+            assert_eq!(offsets, [(0, five), (1, five)]);
+        };
+        tokio::select! {
+            () = check => {}
+            ended = run => panic!("run ended: {ended:?}"),
+            () = tokio::time::sleep(Duration::from_secs(30)) => panic!("not every record was handled"),
+        }
+    });
+}
