@@ -606,25 +606,29 @@ const NO_TIMER: &str = "there is no Tokio runtime with its timer enabled here, a
     or `enable_all()` (as `#[tokio::main]` does)";
 
 thread_local! {
-    /// Whether a renewal timer was made on this thread.
-    static TIMER_SEEN: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+    /// The runtime on which this thread last made a timer: a thread can run one
+    /// runtime with a timer and later another without.
+    static TIMER_SEEN: std::cell::Cell<Option<tokio::runtime::Id>> =
+        const { std::cell::Cell::new(None) };
 }
 
 /// Checks, before the claim, that lease renewal will be able to make its timer:
 /// without a Tokio runtime, or on one whose timer is disabled, making it panics, which
 /// would otherwise happen half-way through the body. Tokio offers no way to ask, so
-/// the check makes a timer and catches the panic, once per thread. A timer costs a
-/// lock of the runtime's timer driver when it is dropped, so the renewal makes its
-/// own only once the body has to wait (a body that finishes at its first poll needs
-/// none); if that one fails after all (a thread that ran a runtime with a timer and
-/// now runs one without), the body is stopped at that first await and the claim
-/// released.
+/// the check makes a timer and catches the panic, once per thread and runtime (the
+/// runtime is told by its id: a thread may run one runtime with a timer and later one
+/// without, and the timers made after the body, for an alert's deadline or a retried
+/// record, must not panic then). A timer costs a lock of the runtime's timer driver
+/// when it is dropped, so the renewal makes its own only once the body has to wait (a
+/// body that finishes at its first poll needs none); if that one fails after all, the
+/// body is stopped at that first await and the claim released.
 fn check_timer() -> Result<(), &'static str> {
-    if TIMER_SEEN.get() {
+    let runtime = tokio::runtime::Handle::try_current().map_err(|_| NO_TIMER)?.id();
+    if TIMER_SEEN.get() == Some(runtime) {
         return Ok(());
     }
     catch_unwind(|| drop(tokio::time::sleep(std::time::Duration::ZERO))).map_err(|_| NO_TIMER)?;
-    TIMER_SEEN.set(true);
+    TIMER_SEEN.set(Some(runtime));
     Ok(())
 }
 
@@ -760,7 +764,7 @@ where
     let renew = async {
         // Polled only once the body waits (the `select!` below polls the body first).
         let Ok(timer) = catch_unwind(|| tokio::time::sleep_until(first)) else {
-            TIMER_SEEN.set(false);
+            TIMER_SEEN.set(None);
             return Stopped::NoTimer;
         };
         let mut held_until = claim.claimed_at + lease;
