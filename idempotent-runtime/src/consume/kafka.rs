@@ -276,6 +276,27 @@ impl KafkaContext {
         self.partitions.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
+    /// Commits, synchronously, the settled offsets of `list`'s partitions not sent yet.
+    fn commit_revoked(&self, consumer: &BaseConsumer<Self>, list: &TopicPartitionList) {
+        let mut offsets = TopicPartitionList::new();
+        {
+            let mut state = self.state();
+            for element in list.elements() {
+                let key = (element.topic().to_owned(), element.partition());
+                let Some(track) = state.tracks.get_mut(&key) else { continue };
+                if let (true, Some(offset)) = (track.dirty, track.committed) {
+                    let added = offsets.add_partition_offset(&key.0, key.1, Offset::Offset(offset));
+                    track.dirty = added.is_err();
+                }
+            }
+        }
+        if offsets.count() > 0 {
+            if let Err(error) = consumer.commit(&offsets, CommitMode::Sync) {
+                tracing::warn!(%error, "committing revoked partitions' settled offsets failed");
+            }
+        }
+    }
+
     /// The partitions in `list` changed hands: forget their retries, and make
     /// records received before this unable to commit.
     fn rebalanced(&self, list: &TopicPartitionList) {
@@ -292,7 +313,12 @@ impl KafkaContext {
 impl ClientContext for KafkaContext {}
 
 impl ConsumerContext for KafkaContext {
-    fn pre_rebalance(&self, _: &BaseConsumer<Self>, rebalance: &Rebalance<'_>) {
+    /// Commits what was settled on partitions being revoked before forgetting them:
+    /// their new owner would otherwise read those records again.
+    fn pre_rebalance(&self, consumer: &BaseConsumer<Self>, rebalance: &Rebalance<'_>) {
+        if let Rebalance::Revoke(list) = rebalance {
+            self.commit_revoked(consumer, list);
+        }
         if let Rebalance::Assign(list) | Rebalance::Revoke(list) = rebalance {
             self.rebalanced(list);
         }
@@ -388,29 +414,16 @@ impl KafkaConsumer {
         R: DispositionExt,
     {
         let _flush_at_exit = FlushOnDrop(self);
-        // One timer for the whole run (each timer made and dropped takes a lock of
-        // Tokio's timer driver), for commits while no record is settled. With a zero
-        // interval every settle commits, so there is nothing for it to do.
-        let interval = self.commit_interval;
-        let timer = Box::pin(tokio::time::sleep(interval));
-        let deliveries = futures_util::stream::unfold(timer, move |mut timer| async move {
+        let deliveries = futures_util::stream::unfold((), move |()| async move {
             loop {
-                tokio::select! {
-                    received = self.receive() => match received {
-                        Ok(Some(held)) => return Some((Ok(held), timer)),
-                        Ok(None) => {}
-                        Err(error) => return Some((Err(error), timer)),
-                    },
-                    () = timer.as_mut(), if !interval.is_zero() => {
-                        timer.as_mut().reset(Instant::now() + interval);
-                        if let Err(error) = self.flush() {
-                            return Some((Err(error), timer));
-                        }
-                    }
+                match self.receive().await {
+                    Ok(Some(held)) => return Some((Ok(held), ())),
+                    Ok(None) => {}
+                    Err(error) => return Some((Err(error), ())),
                 }
             }
         });
-        settle_concurrently(
+        let settle = settle_concurrently(
             deliveries,
             self.concurrency,
             self.retry_delay,
@@ -420,8 +433,34 @@ impl KafkaConsumer {
                 self.settle(held, disposition).await?;
                 if self.flush_due() { self.flush() } else { Ok(()) }
             },
-        )
-        .await
+        );
+        // Commits on a timer of its own, beside the settle loop, which polls for
+        // records only while it has room: settled offsets are committed within the
+        // interval while the partitions are idle and while every slot is busy. One
+        // timer for the whole run (each timer made and dropped takes a lock of Tokio's
+        // timer driver). With a zero interval every settle commits.
+        let interval = self.commit_interval;
+        let commits = async {
+            if interval.is_zero() {
+                return std::future::pending().await;
+            }
+            let mut timer = Box::pin(tokio::time::sleep(interval));
+            loop {
+                timer.as_mut().await;
+                timer.as_mut().reset(Instant::now() + interval);
+                if self.flush_due() {
+                    if let Err(error) = self.flush() {
+                        // The next flush sends the same offsets again.
+                        tracing::warn!(%error, "committing settled offsets failed");
+                    }
+                }
+            }
+        };
+        tokio::select! {
+            biased;
+            result = settle => result,
+            never = commits => never,
+        }
     }
 
     /// Receives the next record and settles it with `handler`'s disposition,
