@@ -125,6 +125,9 @@ pub struct KafkaConsumer {
     dead_letter_timeout: Duration,
     concurrency: usize,
     commit_interval: Duration,
+    /// Told of each rewind, so that a receive already waiting for a record works out
+    /// again when the paused partition is due to resume.
+    rewound: tokio::sync::Notify,
 }
 
 /// The consumer context a [`KafkaConsumer`] needs: it learns of rebalances, so that a
@@ -351,6 +354,7 @@ impl KafkaConsumer {
             dead_letter_timeout: Duration::from_secs(30),
             concurrency: DEFAULT_CONCURRENCY,
             commit_interval: Duration::from_millis(100),
+            rewound: tokio::sync::Notify::new(),
         }
     }
 
@@ -485,13 +489,20 @@ impl KafkaConsumer {
     /// neither handled nor committed).
     async fn receive(&self) -> Result<Option<Held<'_>>, KafkaError> {
         let record = loop {
+            // Made before the due partitions are resumed: a rewind recorded from here
+            // on, while this waits (the settle loop runs beside it), wakes it.
+            let rewound = self.rewound.notified();
             let wake = self.resume_due()?;
-            match wake {
-                Some(at) => tokio::select! {
-                    record = self.consumer.recv() => break record?,
-                    () = tokio::time::sleep_until(at) => continue,
-                },
-                None => break self.consumer.recv().await?,
+            let due = async {
+                match wake {
+                    Some(at) => tokio::time::sleep_until(at).await,
+                    None => std::future::pending().await,
+                }
+            };
+            tokio::select! {
+                record = self.consumer.recv() => break record?,
+                () = due => continue,
+                () = rewound => continue,
             }
         };
         let message = KafkaMessage {
@@ -636,6 +647,7 @@ impl KafkaConsumer {
     ) -> Result<bool, KafkaError> {
         let rewound = self.consumer.context().state().rewind(topic, partition, offset, epoch, due);
         let Rewound::Seek(target) = rewound else { return Ok(false) };
+        self.rewound.notify_one();
         self.seek(topic, partition, target)?;
         Ok(true)
     }
