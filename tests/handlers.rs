@@ -250,12 +250,8 @@ async fn timeless_later(msg: OrderPlaced) -> Result<u64, PayError> {
     Ok(msg.order_id)
 }
 
-/// A thread that ran a runtime with a timer and then runs one without: the check is
-/// kept per runtime, so the second is refused before the claim, like any runtime
-/// without a timer, and nothing later in the call (an alert's deadline, a retried
-/// record) meets a timer that panics.
 #[test]
-fn a_runtime_without_timers_met_after_one_with_them_is_refused_before_the_claim() {
+fn a_runtime_without_timers_met_after_one_with_them_stops_the_body_and_releases() {
     std::thread::spawn(|| {
         let timers = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
         assert!(timers.block_on(timeless_later(order(2))).unwrap().is_processed());
@@ -264,10 +260,11 @@ fn a_runtime_without_timers_met_after_one_with_them_is_refused_before_the_claim(
         let no_timer = tokio::runtime::Builder::new_current_thread().build().unwrap();
         let err = no_timer.block_on(timeless_later(order(3))).unwrap_err();
         assert!(err.to_string().contains("enable_time"), "{err}");
-        assert_eq!(LATER_RUNS.load(Ordering::SeqCst), runs, "refused before running");
-        // Nothing was claimed: the next delivery, with a timer, runs it as attempt 1.
-        assert!(timers.block_on(timeless_later(order(3))).unwrap().is_processed());
-        assert_eq!(LATER_RUNS.load(Ordering::SeqCst), runs + 1);
+        assert_eq!(LATER_RUNS.load(Ordering::SeqCst), runs + 1, "stopped at its first await");
+        // Released: the next delivery runs it again, as its second attempt.
+        let err = no_timer.block_on(timeless_later(order(3))).unwrap_err();
+        assert!(matches!(err, Error::Runtime { .. }), "{err:?}");
+        assert!(timers.block_on(timeless_later(order(3))).unwrap().is_processed(), "released");
     })
     .join()
     .unwrap();

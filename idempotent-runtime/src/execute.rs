@@ -328,9 +328,9 @@ impl<S: Store + ?Sized> Completion<S> for StoreCompletion {
             // connection timeout to say so. (The first try takes what it takes.)
             let complete = store.complete(key, token, spec.ttl, result);
             let answer = match deadline {
-                Some(deadline) => match tokio::time::timeout_at(deadline, complete).await {
-                    Ok(answer) => answer,
-                    Err(_) => Err(StoreError::unavailable("recording DONE timed out")),
+                Some(deadline) => match within(deadline, complete).await {
+                    Some(answer) => answer,
+                    None => Err(StoreError::unavailable("recording DONE timed out")),
                 },
                 None => complete.await,
             };
@@ -347,7 +347,7 @@ impl<S: Store + ?Sized> Completion<S> for StoreCompletion {
                         return Completed::Failed { error, effects_kept: true };
                     }
                     tracing::warn!(key = %key, %error, "recording DONE failed; trying again");
-                    tokio::time::sleep(pause).await;
+                    self::pause(pause).await;
                     pause *= 2;
                 }
             }
@@ -606,30 +606,54 @@ const NO_TIMER: &str = "there is no Tokio runtime with its timer enabled here, a
     or `enable_all()` (as `#[tokio::main]` does)";
 
 thread_local! {
-    /// The runtime on which this thread last made a timer: a thread can run one
-    /// runtime with a timer and later another without.
-    static TIMER_SEEN: std::cell::Cell<Option<tokio::runtime::Id>> =
-        const { std::cell::Cell::new(None) };
+    /// Whether a timer was made on this thread.
+    static TIMER_SEEN: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
 }
 
 /// Checks, before the claim, that lease renewal will be able to make its timer:
 /// without a Tokio runtime, or on one whose timer is disabled, making it panics, which
 /// would otherwise happen half-way through the body. Tokio offers no way to ask, so
-/// the check makes a timer and catches the panic, once per thread and runtime (the
-/// runtime is told by its id: a thread may run one runtime with a timer and later one
-/// without, and the timers made after the body, for an alert's deadline or a retried
-/// record, must not panic then). A timer costs a lock of the runtime's timer driver
-/// when it is dropped, so the renewal makes its own only once the body has to wait (a
-/// body that finishes at its first poll needs none); if that one fails after all, the
-/// body is stopped at that first await and the claim released.
+/// the check makes a timer and catches the panic, once per thread (asking which
+/// runtime is current costs a contended reference count per call). A timer costs a
+/// lock of the runtime's timer driver when it is dropped, so the renewal makes its own
+/// only once the body has to wait (a body that finishes at its first poll needs none).
+/// A thread that ran a runtime with a timer and now runs one without gets past the
+/// check: the renewal's timer then fails, the body is stopped at its first await and
+/// the claim released; the timers made after a body that never waited (a retried
+/// DONE record's pause and deadline, an alert's deadline) go without, through
+/// [`within`] and [`pause`], rather than panic half-way through recording.
 fn check_timer() -> Result<(), &'static str> {
-    let runtime = tokio::runtime::Handle::try_current().map_err(|_| NO_TIMER)?.id();
-    if TIMER_SEEN.get() == Some(runtime) {
+    if TIMER_SEEN.get() {
         return Ok(());
     }
     catch_unwind(|| drop(tokio::time::sleep(std::time::Duration::ZERO))).map_err(|_| NO_TIMER)?;
-    TIMER_SEEN.set(Some(runtime));
+    TIMER_SEEN.set(true);
     Ok(())
+}
+
+/// `future`, cut off at `deadline` (`None`), or not cut off at all where no timer can
+/// be made.
+pub(crate) async fn within<F: Future>(
+    deadline: tokio::time::Instant,
+    future: F,
+) -> Option<F::Output> {
+    let Ok(timer) = catch_unwind(|| tokio::time::sleep_until(deadline)) else {
+        TIMER_SEEN.set(false);
+        return Some(future.await);
+    };
+    tokio::select! {
+        biased;
+        output = future => Some(output),
+        () = timer => None,
+    }
+}
+
+/// Waits `duration`, or not at all where no timer can be made.
+async fn pause(duration: Duration) {
+    match catch_unwind(|| tokio::time::sleep(duration)) {
+        Ok(timer) => timer.await,
+        Err(_) => TIMER_SEEN.set(false),
+    }
 }
 
 /// The claim is no longer this call's: its lease ran out and another consumer took the
@@ -721,12 +745,12 @@ where
 {
     let (namespace, key) = (event.namespace.clone(), event.key.clone());
     let sent = AssertUnwindSafe(async move { on_terminal(event).await }).catch_unwind();
-    match tokio::time::timeout(crate::alert::HOOK_TIMEOUT, sent).await {
-        Ok(Ok(())) => {}
-        Ok(Err(_)) => {
+    match within(tokio::time::Instant::now() + crate::alert::HOOK_TIMEOUT, sent).await {
+        Some(Ok(())) => {}
+        Some(Err(_)) => {
             tracing::error!(%namespace, %key, "the on_terminal hook panicked; the alert was lost")
         }
-        Err(_) => tracing::error!(
+        None => tracing::error!(
             %namespace, %key,
             "the on_terminal hook took longer than {:?} and was dropped; the record is FAILED \
              and the call goes on",
@@ -764,7 +788,7 @@ where
     let renew = async {
         // Polled only once the body waits (the `select!` below polls the body first).
         let Ok(timer) = catch_unwind(|| tokio::time::sleep_until(first)) else {
-            TIMER_SEEN.set(None);
+            TIMER_SEEN.set(false);
             return Stopped::NoTimer;
         };
         let mut held_until = claim.claimed_at + lease;

@@ -269,9 +269,9 @@ pub(crate) async fn begin_within<DB: Database>(
     begin: impl Future<Output = Result<Transaction<'static, DB>, sqlx::Error>>,
     spec: &Spec,
 ) -> Result<Transaction<'static, DB>, StoreError> {
-    match tokio::time::timeout(spec.lease() / 3, begin).await {
-        Ok(tx) => tx.map_err(StoreError::unavailable),
-        Err(_) => Err(StoreError::unavailable(format!(
+    match crate::execute::within(tokio::time::Instant::now() + spec.lease() / 3, begin).await {
+        Some(tx) => tx.map_err(StoreError::unavailable),
+        None => Err(StoreError::unavailable(format!(
             "the handler's transaction did not begin within {:?} (a third of the lease)",
             spec.lease() / 3
         ))),
