@@ -260,13 +260,12 @@ impl RabbitConsumer {
     /// confirm it was stored; refused or unroutable is an error.
     async fn publish_dead_letter(&self, message: &RabbitMessage) -> lapin::Result<()> {
         // Without the broker's delivery count: a replayed dead letter starts again.
-        let mut headers: FieldTable = (message.properties.headers().as_ref())
-            .map(|h| h.inner().iter().filter(|(k, _)| k.as_str() != "x-delivery-count"))
-            .into_iter()
-            .flatten()
-            .map(|(k, v)| (k.clone(), v.clone()))
-            .collect::<std::collections::BTreeMap<_, _>>()
-            .into();
+        let mut headers =
+            message.properties.headers().as_ref().map_or_else(Default::default, |h| {
+                let mut kept = h.inner().clone();
+                kept.remove("x-delivery-count");
+                FieldTable::from(kept)
+            });
         headers.insert(
             "x-idempotent-source-queue".into(),
             AMQPValue::LongString(self.queue.clone().into()),

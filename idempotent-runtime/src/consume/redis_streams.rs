@@ -275,7 +275,7 @@ impl StreamConsumer {
                     settled.into_iter().partition(|s| s.in_progress);
                 settled = done;
                 for mut busy in busy {
-                    let count = busy.entry.delivery_count.and_then(|n| u32::try_from(n).ok());
+                    let count = busy.entry.deliveries();
                     let result =
                         with_delivery_count(count, handler(self.message(busy.entry.clone()))).await;
                     busy.disposition = result.disposition();
@@ -328,7 +328,7 @@ impl StreamConsumer {
     {
         use futures_util::StreamExt as _;
         let calls = entries.into_iter().map(|entry| {
-            let count = entry.delivery_count.and_then(|n| u32::try_from(n).ok());
+            let count = entry.deliveries();
             let call = with_delivery_count(count, handler(self.message(entry.clone())));
             async move {
                 let result = call.await;
@@ -490,6 +490,13 @@ struct Entry {
     id: String,
     fields: Vec<(Vec<u8>, Vec<u8>)>,
     delivery_count: Option<usize>,
+}
+
+impl Entry {
+    /// The delivery count, as `with_delivery_count` takes it.
+    fn deliveries(&self) -> Option<u32> {
+        self.delivery_count.and_then(|n| u32::try_from(n).ok())
+    }
 }
 
 /// The items of an array reply (empty for nil or anything else).

@@ -31,10 +31,10 @@ impl GuardDatabase for Postgres {
                 query = query.bind(state);
             }
             let rows = query.fetch_all(&mut *conn).await?;
-            let (applied, is_to, is_from, state) = match rows.len() {
-                0 => return Ok(StateChange::NotFound),
-                1 => rows.into_iter().next().expect("one row"),
-                n => return Err(not_unique(&guard.table, n as u64)),
+            let (applied, is_to, is_from, state) = match <[StateRow<S>; 1]>::try_from(rows) {
+                Ok([row]) => row,
+                Err(rows) if rows.is_empty() => return Ok(StateChange::NotFound),
+                Err(rows) => return Err(not_unique(&guard.table, rows.len() as u64)),
             };
             match (applied, is_to, is_from, state) {
                 (1, ..) => return Ok(StateChange::Applied),
