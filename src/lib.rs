@@ -94,6 +94,7 @@
 //! | `ttl = 600` | Dedupe window after completion: seconds, or a string with units (`"500ms"`, `"10m"`, `"24h"`, `"1h30m"`; units `ms s m h d`). Default 24 hours. |
 //! | `lease = 30` | How long a claim holds without renewal (renewed every third of it while the body runs). Same units. Default 30 s, or the ttl if shorter. Must be ≤ `ttl`. |
 //! | `max_attempts = 5` | Attempts before a retryable error is treated as terminal. Default 5. Attempts that never finished (crash, panic, cancellation) count. |
+//! | `backoff = "1s..5m"` | How long a retry waits: `"base..cap"` is exponential (after attempt n, a random time in [d/2, d], d = min(cap, base·2^(n−1))), `"2s"` fixed (jittered the same way). Default `"1s..5m"` ([`Backoff::DEFAULT`]). A retry's result carries it: [`DispositionExt::retry_delay`]; every consumer loop honours it. |
 //! | `namespace = "payments"` | Key prefix; default the function's name. Handlers sharing a namespace share records. Required on methods, whose names (`handle`) repeat. No `:`. |
 //! | `store = expr` | The [`Store`], or anything that dereferences to one (`Arc<S>`, `&S`, a `LazyLock`); may use the arguments, e.g. `store = self.store`. Default: the process-wide store from [`set_default_store`]; with none set, calls fail with [`StoreError::NotConfigured`]. |
 //! | `message = ident` | Which argument is the message. Default: the first argument after `self`. |
@@ -169,8 +170,8 @@
 //! | --- | --- | --- | --- |
 //! | first delivery, success | DONE, kept for `ttl` | `Ok(Processed(v))` | ack |
 //! | same key again within ttl | unchanged | `Ok(Duplicate)` | ack |
-//! | same key while another consumer runs it | unchanged | `Ok(InProgress)` | redeliver later |
-//! | retryable error | released, attempt count kept | `Err(Retryable)` | redeliver |
+//! | same key while another consumer runs it | unchanged | `Ok(InProgress { retry_after })` | redeliver after `retry_after` (the other claim's lease left) |
+//! | retryable error | released, attempt count kept | `Err(Retryable { retry_after, .. })` | redeliver after `retry_after` (the `backoff`) |
 //! | retryable error on attempt `max_attempts` | FAILED, kept for ttl, alert | `Err(Terminal { exhausted: true })` | dead-letter |
 //! | terminal error | FAILED, kept for ttl, alert | `Err(Terminal)` | dead-letter |
 //! | same key after FAILED, within ttl | unchanged | `Err(PreviouslyFailed)` | dead-letter |
@@ -277,11 +278,11 @@ pub use idempotent_macros::idempotent;
 pub use idempotent_macros::Classify;
 
 pub use idempotent_runtime::{
-    AlertSink, AlreadySet, Claim, Classify, DefaultStore, Disposition, DispositionExt, Document,
-    Error, ErrorClass, Fingerprint, Key, KeyBuilder, KeyError, MAX_KEY_LEN, MAX_STORED_ID_LEN,
-    MemoryStore, NoStore, Outcome, Payload, PayloadRef, Store, StoreError, TerminalEvent, Token,
-    Transition, Unusable, alert, async_trait, claim_retention, default_store, set_alert_sink,
-    set_default_store,
+    AlertSink, AlreadySet, Backoff, Claim, Classify, DefaultStore, Disposition, DispositionExt,
+    Document, Error, ErrorClass, Fingerprint, Key, KeyBuilder, KeyError, MAX_KEY_LEN,
+    MAX_STORED_ID_LEN, MemoryStore, NoStore, Outcome, Payload, PayloadRef, Store, StoreError,
+    TerminalEvent, Token, Transition, Unusable, alert, async_trait, claim_retention, default_store,
+    set_alert_sink, set_default_store,
 };
 
 pub use idempotent_runtime::delivery;
@@ -335,5 +336,7 @@ pub mod __private {
     pub use idempotent_runtime::result_alias::{AnyValue, ResultValue, ValueType, require_value};
     #[cfg(any(feature = "postgres", feature = "mysql"))]
     pub use idempotent_runtime::transactional::{TransactionalStore, TxSlot, run_transactional};
-    pub use idempotent_runtime::{AsStore, DefaultStore, Document, Fingerprint, KeyBuilder};
+    pub use idempotent_runtime::{
+        AsStore, Backoff, DefaultStore, Document, Fingerprint, KeyBuilder,
+    };
 }

@@ -160,7 +160,7 @@ async fn no_default_store_is_an_error_not_a_silent_fallback() {
     let err = default_store_unset(order(1)).await.unwrap_err();
     assert!(matches!(
         err,
-        Error::Store { error: idempotent::StoreError::NotConfigured, handler_ran: false }
+        Error::Store { error: idempotent::StoreError::NotConfigured, handler_ran: false, .. }
     ));
 }
 
@@ -195,7 +195,7 @@ async fn a_thousand_concurrent_deliveries_of_one_message_run_it_once() {
     for task in tasks {
         match task.await.unwrap().unwrap() {
             Outcome::Processed(()) => processed += 1,
-            Outcome::InProgress | Outcome::Duplicate => {}
+            Outcome::InProgress { .. } | Outcome::Duplicate => {}
             Outcome::Replayed(()) | Outcome::ProcessedNotCached { .. } => {
                 panic!("nothing is cached")
             }
@@ -343,4 +343,70 @@ async fn a_handler_on_no_store_runs_every_delivery_and_its_guard_decides() {
         assert!(matches!(err, Error::Terminal { attempt: 1, .. }), "{err:?}");
         assert_eq!(err.disposition(), Disposition::DeadLetter);
     }
+}
+
+#[idempotent(key = "order:{order_id}", store = store, backoff = "200ms..1s")]
+async fn backing_off(msg: OrderPlaced, store: &MemoryStore) -> Result<(), PayError> {
+    let _ = msg;
+    Err(PayError::DbTimeout)
+}
+
+#[idempotent(key = "order:{order_id}", store = store, backoff = "300ms", max_attempts = 9)]
+async fn fixed_backoff(msg: OrderPlaced, store: &MemoryStore) -> Result<(), PayError> {
+    let _ = msg;
+    Err(PayError::DbTimeout)
+}
+
+#[idempotent(key = "order:{order_id}", store = store)]
+async fn default_backoff(msg: OrderPlaced, store: &MemoryStore) -> Result<(), PayError> {
+    let _ = msg;
+    Err(PayError::DbTimeout)
+}
+
+/// Each retryable failure says how long to wait: a random time in the upper half of
+/// `min(cap, base·2^(attempt−1))`, by the handler's `backoff` (exponential, fixed, or
+/// the default 1 s..5 min); the result says the same through `DispositionExt`.
+#[tokio::test]
+async fn a_retry_waits_by_the_handlers_backoff() {
+    use idempotent::DispositionExt as _;
+    use std::time::Duration;
+    let store = MemoryStore::new();
+    let ms = Duration::from_millis;
+    let within = |result: &Result<Outcome<()>, Error<PayError>>, ceiling: Duration| {
+        let delay = result.retry_delay().expect("a retry has a delay");
+        assert!(delay >= ceiling / 2 && delay <= ceiling, "{delay:?} not within {ceiling:?}");
+        assert!(
+            matches!(result, Err(Error::Retryable { retry_after, .. }) if *retry_after == delay)
+        );
+    };
+    // Exponential, capped at 1 s from the fourth attempt on; the fifth is terminal.
+    for ceiling in [200, 400, 800, 1000] {
+        within(&backing_off(order(1), &store).await, ms(ceiling));
+    }
+    let last = backing_off(order(1), &store).await;
+    assert!(matches!(last, Err(Error::Terminal { exhausted: true, .. })), "{last:?}");
+    assert_eq!(last.retry_delay(), None, "a dead letter waits for nothing");
+    for _ in 0..8 {
+        within(&fixed_backoff(order(2), &store).await, ms(300));
+    }
+    for ceiling in [1000, 2000, 4000, 8000] {
+        within(&default_backoff(order(3), &store).await, ms(ceiling));
+    }
+}
+
+/// A key held by another consumer's claim: `InProgress`, to be retried about when
+/// that claim's lease runs out.
+#[tokio::test]
+async fn in_progress_waits_for_the_other_claims_lease() {
+    use idempotent::{DispositionExt as _, Key, Store as _};
+    use std::time::Duration;
+    let store = MemoryStore::new();
+    let key = Key::new("backing_off", "order:4").unwrap();
+    let lease = Duration::from_secs(20);
+    let held = store.claim(&key, lease, Duration::from_secs(60), None).await.unwrap();
+    assert!(matches!(held, idempotent::Claim::Won { .. }));
+    let busy = backing_off(order(4), &store).await;
+    let delay = busy.retry_delay().expect("InProgress is retried");
+    assert!(delay <= lease && delay > lease - Duration::from_secs(5), "{delay:?}");
+    assert!(matches!(busy, Ok(Outcome::InProgress { retry_after }) if retry_after == delay));
 }

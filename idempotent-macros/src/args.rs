@@ -6,8 +6,8 @@ use syn::spanned::Spanned;
 use syn::{Expr, Ident, Lit, LitBool, LitInt, LitStr, Path};
 
 /// Every argument `#[idempotent(...)]` accepts, for "unknown argument" messages.
-const KNOWN: &str = "key, key_fn, ttl, lease, max_attempts, namespace, store, message, \
-                     cache, validate, transactional, on_terminal, classify, crate";
+const KNOWN: &str = "key, key_fn, ttl, lease, max_attempts, backoff, namespace, store, \
+                     message, cache, validate, transactional, on_terminal, classify, crate";
 
 /// Collects errors so that all of them are reported, not just the first.
 #[derive(Default)]
@@ -72,6 +72,14 @@ pub struct Millis {
     pub span: Span,
 }
 
+/// `backoff`: the first retry's longest wait and the cap, in milliseconds (equal for a
+/// fixed delay).
+#[derive(Clone, Copy)]
+pub struct Backoff {
+    pub base_ms: u64,
+    pub cap_ms: u64,
+}
+
 #[derive(Default)]
 pub struct Args {
     pub key: Once<LitStr>,
@@ -79,6 +87,7 @@ pub struct Args {
     pub ttl: Once<Millis>,
     pub lease: Once<Millis>,
     pub max_attempts: Once<(u32, Span)>,
+    pub backoff: Once<Backoff>,
     pub namespace: Once<LitStr>,
     pub store: Once<Expr>,
     pub message: Once<Ident>,
@@ -124,6 +133,13 @@ impl Args {
                         let slot = if name == "ttl" { &mut self.ttl } else { &mut self.lease };
                         slot.set(&name, Millis { ms, span: expr.span() }, errors);
                     }
+                    Err(e) => errors.push(e),
+                }
+            }
+            "backoff" => {
+                let expr = ungroup(meta.value()?.parse()?);
+                match backoff(&expr) {
+                    Ok(value) => self.backoff.set(&name, value, errors),
                     Err(e) => errors.push(e),
                 }
             }
@@ -312,6 +328,58 @@ fn duration(expr: &Expr, name: &Ident) -> syn::Result<u64> {
     Ok(ms)
 }
 
+/// `backoff = "1s..5m"` (exponential from the first value, capped at the second),
+/// `backoff = "2s"` or `backoff = 2` (fixed, whole seconds).
+fn backoff(expr: &Expr) -> syn::Result<Backoff> {
+    let usage = "`backoff` takes `\"base..cap\"` for an exponential backoff (`backoff = \"1s..5m\"`: \
+                 attempt n waits up to base·2^(n−1), at most cap) or one duration for a fixed \
+                 one (`backoff = \"2s\"`, or whole seconds: `backoff = 2`); units ms, s, m, h, d";
+    let (text, span) = match expr {
+        Expr::Lit(syn::ExprLit { lit: Lit::Int(lit), .. }) => {
+            let ms = lit.base10_parse::<u64>().ok().and_then(|s| s.checked_mul(1000));
+            let ms = ms.ok_or_else(|| syn::Error::new(lit.span(), usage))?;
+            return checked_backoff(Backoff { base_ms: ms, cap_ms: ms }, lit.span());
+        }
+        Expr::Lit(syn::ExprLit { lit: Lit::Str(lit), .. }) => (lit.value(), lit.span()),
+        other => return Err(syn::Error::new(other.span(), usage)),
+    };
+    let value = match text.split_once("..") {
+        Some((base, cap)) => {
+            let base = parse_duration(base).ok_or_else(|| syn::Error::new(span, usage))?;
+            let cap = cap.strip_prefix('=').unwrap_or(cap);
+            let cap = parse_duration(cap).ok_or_else(|| syn::Error::new(span, usage))?;
+            if cap < base {
+                return Err(syn::Error::new(
+                    span,
+                    "`backoff`'s cap (after `..`) must not be less than its base: write \
+                     `\"base..cap\"`, e.g. `backoff = \"1s..5m\"`",
+                ));
+            }
+            Backoff { base_ms: base, cap_ms: cap }
+        }
+        None => {
+            let ms = parse_duration(&text).ok_or_else(|| syn::Error::new(span, usage))?;
+            Backoff { base_ms: ms, cap_ms: ms }
+        }
+    };
+    checked_backoff(value, span)
+}
+
+/// A backoff whose base is above zero and whose cap is at most 100 years.
+fn checked_backoff(value: Backoff, span: Span) -> syn::Result<Backoff> {
+    if value.base_ms == 0 {
+        return Err(syn::Error::new(
+            span,
+            "`backoff` must start above 0: a retry that waits nothing hammers the dependency \
+             that failed (the shortest is `\"1ms\"`)",
+        ));
+    }
+    if value.cap_ms > MAX_DURATION_MS {
+        return Err(syn::Error::new(span, "`backoff` can wait at most 100 years (`\"36500d\"`)"));
+    }
+    Ok(value)
+}
+
 /// Parses `"1h30m"`-style durations into milliseconds.
 fn parse_duration(text: &str) -> Option<u64> {
     let mut rest = text.trim();
@@ -365,5 +433,24 @@ mod tests {
         assert_eq!(parse_duration("m"), None);
         assert_eq!(parse_duration("10 m"), None);
         assert_eq!(parse_duration(""), None);
+    }
+    #[test]
+    fn backoffs() {
+        let parse = |text: &str| {
+            let expr: syn::Expr = syn::parse_str(text).unwrap();
+            super::backoff(&expr).map(|b| (b.base_ms, b.cap_ms)).map_err(|e| e.to_string())
+        };
+        assert_eq!(parse(r#""1s..5m""#), Ok((1_000, 300_000)));
+        assert_eq!(parse(r#"" 100ms .. 2s ""#), Ok((100, 2_000)));
+        assert_eq!(parse(r#""1s..=1s""#), Ok((1_000, 1_000)));
+        assert_eq!(parse(r#""2s""#), Ok((2_000, 2_000)));
+        assert_eq!(parse("3"), Ok((3_000, 3_000)));
+        for bad in [r#""1s..""#, r#""..5m""#, r#""1s...5m""#, r#""fast""#, r#""""#, "1.5", "x"] {
+            assert!(parse(bad).unwrap_err().contains("`backoff` takes"), "{bad}");
+        }
+        assert!(parse(r#""5m..1s""#).unwrap_err().contains("must not be less than"));
+        assert!(parse(r#""0s""#).unwrap_err().contains("must start above 0"));
+        assert!(parse(r#""0ms..1s""#).unwrap_err().contains("must start above 0"));
+        assert!(parse(r#""1s..36501d""#).unwrap_err().contains("at most 100 years"));
     }
 }

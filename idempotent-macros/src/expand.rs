@@ -69,6 +69,8 @@ struct Handler {
     ttl_ms: u64,
     lease_ms: u64,
     max_attempts: u32,
+    /// `backoff`: base and cap in milliseconds.
+    backoff: Option<(u64, u64)>,
     store: Option<syn::Expr>,
     classify: Option<syn::Path>,
     on_terminal: Option<syn::Path>,
@@ -353,6 +355,7 @@ impl Handler {
             ttl_ms,
             lease_ms,
             max_attempts: args.max_attempts.get().map_or(DEFAULT_MAX_ATTEMPTS, |(n, _)| *n),
+            backoff: args.backoff.get().map(|b| (b.base_ms, b.cap_ms)),
             store: args.store.take(),
             classify: args.classify.take(),
             on_terminal: args.on_terminal.take(),
@@ -366,7 +369,7 @@ impl Handler {
     }
 
     fn expand(self, mut func: ItemFn) -> TokenStream {
-        let Handler { krate, namespace, ttl_ms, lease_ms, max_attempts, .. } = &self;
+        let Handler { krate, namespace, ttl_ms, lease_ms, max_attempts, backoff, .. } = &self;
         let private = quote!(#krate::__private);
         let key_var = Ident::new("__idempotent_key", Span::mixed_site());
         let store_var = Ident::new("__idempotent_store", Span::mixed_site());
@@ -421,6 +424,20 @@ impl Handler {
                 ::core::time::Duration::from_millis(#lease_ms),
                 #max_attempts,
             )
+        };
+        let spec = match backoff {
+            None => spec,
+            Some((base, cap)) if base == cap => quote! {
+                #spec.with_backoff(#private::Backoff::fixed(
+                    ::core::time::Duration::from_millis(#base),
+                ))
+            },
+            Some((base, cap)) => quote! {
+                #spec.with_backoff(#private::Backoff::exponential(
+                    ::core::time::Duration::from_millis(#base),
+                    ::core::time::Duration::from_millis(#cap),
+                ))
+            },
         };
 
         let validated = self

@@ -1,6 +1,7 @@
 //! Why a call did not end in an [`Outcome`](crate::Outcome).
 
 use std::fmt;
+use std::time::Duration;
 
 use crate::{Disposition, ErrorClass};
 
@@ -11,19 +12,25 @@ use crate::{Disposition, ErrorClass};
 /// [`disposition`](Error::disposition), what the consumer should do with the message.
 ///
 /// ```
+/// use std::time::Duration;
 /// use idempotent_runtime::{Disposition, Error};
 ///
 /// fn report(error: &Error<std::io::Error>) -> String {
 ///     match error {
-///         Error::Retryable { error, attempt } => format!("attempt {attempt} failed: {error}"),
+///         Error::Retryable { error, attempt, .. } => format!("attempt {attempt} failed: {error}"),
 ///         Error::Terminal { exhausted: true, .. } => "gave up after max_attempts".into(),
 ///         Error::Store { handler_ran: true, .. } => "ran, but the record was not written".into(),
 ///         other => other.to_string(),
 ///     }
 /// }
 ///
-/// let error = Error::Retryable { error: std::io::ErrorKind::TimedOut.into(), attempt: 2 };
+/// let error = Error::Retryable {
+///     error: std::io::ErrorKind::TimedOut.into(),
+///     attempt: 2,
+///     retry_after: Duration::from_secs(2),
+/// };
 /// assert_eq!(error.disposition(), Disposition::Retry);
+/// assert_eq!(error.retry_delay(), Some(Duration::from_secs(2)));
 /// assert!(error.is_retryable());
 /// assert_eq!(report(&error), "attempt 2 failed: timed out");
 /// ```
@@ -37,6 +44,8 @@ pub enum Error<E> {
         error: E,
         /// Which attempt this was, from 1.
         attempt: u32,
+        /// How long to wait before the redelivery, by the handler's `backoff`.
+        retry_after: Duration,
     },
     /// The handler failed for good: its error is terminal, or it was retryable but this
     /// was attempt `max_attempts`. The key is kept as FAILED for the dedupe window and
@@ -72,6 +81,9 @@ pub enum Error<E> {
         attempt: u32,
         /// `true` when this was the last allowed attempt: the key is FAILED.
         exhausted: bool,
+        /// How long to wait before the redelivery, by the handler's `backoff` (unused
+        /// when `exhausted`).
+        retry_after: Duration,
     },
     /// The idempotency key could not be built from the message. The handler did not run.
     Key(KeyError),
@@ -81,6 +93,8 @@ pub enum Error<E> {
     Runtime {
         /// What is missing.
         reason: &'static str,
+        /// How long to wait before the redelivery, by the handler's `backoff`.
+        retry_after: Duration,
     },
     /// The store could not be reached or gave an unusable answer.
     Store {
@@ -93,6 +107,10 @@ pub enum Error<E> {
         /// `true`: the handler's effects happened but could not be recorded as done;
         /// the key stays claimed until its lease runs out, then a redelivery runs again.
         handler_ran: bool,
+        /// How long to wait before the redelivery (unused for a permanent store
+        /// error): by the handler's `backoff`, counting attempts by the key's record,
+        /// or, before the claim was answered, by the broker's delivery count.
+        retry_after: Duration,
     },
     /// The claim expired and another consumer took the key before this attempt's
     /// result could be recorded. Nothing was overwritten, released or marked failed,
@@ -102,6 +120,8 @@ pub enum Error<E> {
     LeaseLost {
         /// Which attempt this was, from 1.
         attempt: u32,
+        /// How long to wait before the redelivery, by the handler's `backoff`.
+        retry_after: Duration,
     },
     /// The key was seen before with a different payload (only with `validate = true`).
     /// The handler did not run.
@@ -150,6 +170,23 @@ impl<E> Error<E> {
         }
     }
 
+    /// How long the consumer should wait before the message is delivered again: `Some`
+    /// exactly when the [`disposition`](Error::disposition) is
+    /// [`Retry`](Disposition::Retry), by the handler's `backoff` and the attempt.
+    pub fn retry_delay(&self) -> Option<Duration> {
+        if self.disposition() != Disposition::Retry {
+            return None;
+        }
+        match self {
+            Error::Retryable { retry_after, .. }
+            | Error::Panicked { retry_after, .. }
+            | Error::Runtime { retry_after, .. }
+            | Error::Store { retry_after, .. }
+            | Error::LeaseLost { retry_after, .. } => Some(*retry_after),
+            _ => None,
+        }
+    }
+
     /// The class of a handler error as it was treated, if the handler failed.
     pub fn class(&self) -> Option<ErrorClass> {
         match self {
@@ -179,7 +216,7 @@ impl<E> Error<E> {
 impl<E: fmt::Display> fmt::Display for Error<E> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
-            Error::Retryable { error, attempt } => {
+            Error::Retryable { error, attempt, .. } => {
                 write!(f, "handler failed on attempt {attempt} (retryable, key released): {error}")
             }
             Error::Terminal { error, attempt, exhausted: false } => {
@@ -201,27 +238,29 @@ impl<E: fmt::Display> fmt::Display for Error<E> {
             Error::PreviouslyFailed { attempts } => {
                 write!(f, "key already failed for good after {attempts} attempt(s)")
             }
-            Error::Panicked { message, attempt, exhausted: false } => {
+            Error::Panicked { message, attempt, exhausted: false, .. } => {
                 write!(f, "handler panicked on attempt {attempt} (key released): {message}")
             }
-            Error::Panicked { message, attempt, exhausted: true } => write!(
+            Error::Panicked { message, attempt, exhausted: true, .. } => write!(
                 f,
                 "handler panicked on attempt {attempt}, the last allowed (key kept as failed): \
                  {message}"
             ),
             Error::Key(e) => write!(f, "idempotency key could not be built: {e}"),
-            Error::Runtime { reason } => write!(f, "handler not run, nothing claimed: {reason}"),
-            Error::Store { error, handler_ran: false } => write!(
+            Error::Runtime { reason, .. } => {
+                write!(f, "handler not run, nothing claimed: {reason}")
+            }
+            Error::Store { error, handler_ran: false, .. } => write!(
                 f,
                 "store failed; no effect of the handler stands without its DONE record (it \
                  did not run, or its transaction was rolled back or committed together with \
                  DONE): {error}"
             ),
-            Error::Store { error, handler_ran: true } => write!(
+            Error::Store { error, handler_ran: true, .. } => write!(
                 f,
                 "store failed after the handler ran; its result was not recorded: {error}"
             ),
-            Error::LeaseLost { attempt } => write!(
+            Error::LeaseLost { attempt, .. } => write!(
                 f,
                 "attempt {attempt} lost its claim (it expired and another consumer took the key); nothing was recorded"
             ),
@@ -362,15 +401,56 @@ mod tests {
 
     #[test]
     fn a_store_error_that_retrying_cannot_fix_is_dead_lettered() {
+        let retry_after = Duration::from_secs(2);
         let refused = Error::<std::io::Error>::Store {
             error: StoreError::Rejected("index row too large".into()),
             handler_ran: false,
+            retry_after,
         };
         assert_eq!(refused.disposition(), Disposition::DeadLetter);
+        assert_eq!(refused.retry_delay(), None, "no retry, no delay");
         let down = Error::<std::io::Error>::Store {
             error: StoreError::unavailable("connection refused"),
             handler_ran: false,
+            retry_after,
         };
         assert_eq!(down.disposition(), Disposition::Retry);
+        assert_eq!(down.retry_delay(), Some(retry_after));
+    }
+
+    #[test]
+    fn a_delay_exactly_for_the_retry_dispositions() {
+        let d = Duration::from_millis(1500);
+        let retried: [Error<&str>; 5] = [
+            Error::Retryable { error: "down", attempt: 1, retry_after: d },
+            Error::Panicked {
+                message: "boom".into(),
+                attempt: 1,
+                exhausted: false,
+                retry_after: d,
+            },
+            Error::Runtime { reason: "no timer", retry_after: d },
+            Error::Store {
+                error: StoreError::unavailable("down"),
+                handler_ran: true,
+                retry_after: d,
+            },
+            Error::LeaseLost { attempt: 2, retry_after: d },
+        ];
+        for error in retried {
+            assert_eq!((error.disposition(), error.retry_delay()), (Disposition::Retry, Some(d)));
+        }
+        let settled: [Error<&str>; 6] = [
+            Error::Terminal { error: "bad", attempt: 1, exhausted: false },
+            Error::Panicked { message: "boom".into(), attempt: 5, exhausted: true, retry_after: d },
+            Error::Abandoned { attempts: 5 },
+            Error::PreviouslyFailed { attempts: 5 },
+            Error::PayloadMismatch,
+            Error::Cache { reason: "changed shape".into() },
+        ];
+        for error in settled {
+            assert_ne!(error.disposition(), Disposition::Retry, "{error:?}");
+            assert_eq!(error.retry_delay(), None, "{error:?}");
+        }
     }
 }

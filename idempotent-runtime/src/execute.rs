@@ -10,8 +10,8 @@ use futures_util::FutureExt as _;
 
 use crate::alert::TerminalEvent;
 use crate::{
-    Claim, Error, ErrorClass, Fingerprint, Key, KeyError, Outcome, Store, StoreError, Token,
-    Transition,
+    Backoff, Claim, Error, ErrorClass, Fingerprint, Key, KeyError, Outcome, Store, StoreError,
+    Token, Transition,
 };
 
 /// The attempt cap when `max_attempts` is not given.
@@ -27,6 +27,7 @@ pub struct Spec {
     ttl: Duration,
     lease: Duration,
     max_attempts: u32,
+    backoff: Backoff,
 }
 
 impl Spec {
@@ -42,7 +43,8 @@ impl Spec {
     /// renewals, and `max_attempts` attempts. A lease under [`Spec::MIN_LEASE`] is
     /// raised to it; `ttl` and `lease` over [`Spec::MAX_DURATION`] are lowered to it
     /// (the `#[idempotent]` attribute refuses such values at compile time);
-    /// `max_attempts` is at least 1.
+    /// `max_attempts` is at least 1. Retries wait by [`Backoff::DEFAULT`] unless
+    /// [`with_backoff`](Spec::with_backoff) says otherwise.
     pub const fn new(ttl: Duration, lease: Duration, max_attempts: u32) -> Spec {
         let cap = Spec::MAX_DURATION;
         let ttl = if ttl.as_nanos() > cap.as_nanos() { cap } else { ttl };
@@ -50,7 +52,13 @@ impl Spec {
         let lease =
             if lease.as_nanos() < Spec::MIN_LEASE.as_nanos() { Spec::MIN_LEASE } else { lease };
         let max_attempts = if max_attempts == 0 { 1 } else { max_attempts };
-        Spec { ttl, lease, max_attempts }
+        Spec { ttl, lease, max_attempts, backoff: Backoff::DEFAULT }
+    }
+
+    /// These settings, with retries waiting by `backoff` (`#[idempotent(backoff = ...)]`).
+    pub const fn with_backoff(mut self, backoff: Backoff) -> Spec {
+        self.backoff = backoff;
+        self
     }
 
     /// How long a DONE or FAILED record is kept.
@@ -66,6 +74,11 @@ impl Spec {
     /// Attempts allowed before a retryable error counts as terminal.
     pub const fn max_attempts(&self) -> u32 {
         self.max_attempts
+    }
+
+    /// How long a retry waits, by attempt.
+    pub const fn backoff(&self) -> Backoff {
+        self.backoff
     }
 }
 
@@ -381,7 +394,9 @@ where
     let Call { spec, key, fingerprint, cache } = call;
     let key = key.map_err(Error::Key)?;
     let claimed_at = tokio::time::Instant::now();
-    check_timer().map_err(|reason| Error::Runtime { reason })?;
+    // Before the claim answers, attempts are counted by the broker's deliveries.
+    let early = || spec.backoff.delay(crate::delivery::delivery_count().unwrap_or(1));
+    check_timer().map_err(|reason| Error::Runtime { reason, retry_after: early() })?;
     let first_renewal = claimed_at + renewal_period(spec.lease);
     let answer = completion.claim(store, &key, &spec, fingerprint.as_ref()).await;
     let (token, attempt) = match answer {
@@ -395,12 +410,17 @@ where
             };
         }
         Ok(Claim::Mismatch) => return Err(Error::PayloadMismatch),
-        Ok(Claim::InProgress) => return Ok(Outcome::InProgress),
+        Ok(Claim::InProgress { lease_left }) => {
+            let retry_after = lease_left.unwrap_or_else(|| spec.backoff.delay(1));
+            return Ok(Outcome::InProgress { retry_after });
+        }
         Ok(Claim::Failed { attempts }) => return Err(Error::PreviouslyFailed { attempts }),
         Err(error) => {
-            return Err(Error::Store { error, handler_ran: false });
+            return Err(Error::Store { error, handler_ran: false, retry_after: early() });
         }
     };
+    // How long a retry of this attempt waits.
+    let later = || spec.backoff.delay(attempt);
     let mut claim = HeldClaim { spec, store, key: &key, token, claimed_at };
     let fingerprint = fingerprint.as_ref();
 
@@ -413,10 +433,10 @@ where
         match completion.discard(store, &key, &spec, fingerprint).await {
             Discarded::Held => {}
             Discarded::Retaken(token) => claim.token = token,
-            Discarded::Gone => return Err(Error::LeaseLost { attempt }),
+            Discarded::Gone => return Err(Error::LeaseLost { attempt, retry_after: later() }),
         }
         if claim.fail("earlier attempts never finished").await.is_err() {
-            return Err(Error::LeaseLost { attempt });
+            return Err(Error::LeaseLost { attempt, retry_after: later() });
         }
         let event = claim.event(attempts, true, format!("{attempts} attempt(s) never finished"));
         alert(on_terminal, event).await;
@@ -430,7 +450,7 @@ where
     if let Err(error) = completion.begin(store, &spec).await {
         let _ = claim.release().await;
         abandon.disarm();
-        return Err(Error::Store { error, handler_ran: false });
+        return Err(Error::Store { error, handler_ran: false, retry_after: later() });
     }
     let body = AssertUnwindSafe(body).catch_unwind();
     let run = if committed {
@@ -446,14 +466,14 @@ where
             // to run beside it, and nothing of this attempt is recorded.
             completion.discard(store, &key, &spec, fingerprint).await;
             abandon.disarm();
-            return Err(Error::LeaseLost { attempt });
+            return Err(Error::LeaseLost { attempt, retry_after: later() });
         }
         Err(Stopped::NoTimer) => {
             // The body was stopped at its first await, as a crash would stop it.
             completion.discard(store, &key, &spec, fingerprint).await;
             let _ = claim.release().await;
             abandon.disarm();
-            return Err(Error::Runtime { reason: NO_TIMER });
+            return Err(Error::Runtime { reason: NO_TIMER, retry_after: later() });
         }
     };
 
@@ -468,13 +488,13 @@ where
                     Ok(_) => Ok(Outcome::Processed(value)),
                     Err(reason) => Ok(Outcome::ProcessedNotCached { value, reason }),
                 },
-                Completed::LeaseLost => Err(Error::LeaseLost { attempt }),
+                Completed::LeaseLost => Err(Error::LeaseLost { attempt, retry_after: later() }),
                 Completed::Failed { error, effects_kept: true } => {
-                    Err(Error::Store { error, handler_ran: true })
+                    Err(Error::Store { error, handler_ran: true, retry_after: later() })
                 }
                 Completed::Failed { error, effects_kept: false } => {
                     let _ = claim.release().await;
-                    Err(Error::Store { error, handler_ran: false })
+                    Err(Error::Store { error, handler_ran: false, retry_after: later() })
                 }
             }
         }
@@ -500,7 +520,7 @@ where
                 Discarded::Gone => Err(Lost),
             };
             if let Err(Lost) = ended {
-                lost(attempt, message())
+                lost(attempt, message(), later())
             } else if duplicate {
                 // Not a failure: the effect is there already, so the key is done.
                 tracing::debug!(key = %key, error = %message(), "the handler found its effect already applied");
@@ -508,14 +528,14 @@ where
                     Ok(Ok(())) => Ok(Outcome::Duplicate),
                     Ok(Err(error)) => {
                         let _ = claim.release().await;
-                        Err(Error::Store { error, handler_ran: true })
+                        Err(Error::Store { error, handler_ran: true, retry_after: later() })
                     }
-                    Err(Lost) => lost(attempt, message()),
+                    Err(Lost) => lost(attempt, message(), later()),
                 }
             } else if retryable && attempt < spec.max_attempts {
                 match claim.release().await {
-                    Ok(()) => Err(Error::Retryable { error, attempt }),
-                    Err(Lost) => lost(attempt, message()),
+                    Ok(()) => Err(Error::Retryable { error, attempt, retry_after: later() }),
+                    Err(Lost) => lost(attempt, message(), later()),
                 }
             } else {
                 match claim.fail("the handler failed for good").await {
@@ -523,7 +543,7 @@ where
                         alert(on_terminal, claim.event(attempt, retryable, message())).await;
                         Err(Error::Terminal { error, attempt, exhausted: retryable })
                     }
-                    Err(Lost) => lost(attempt, message()),
+                    Err(Lost) => lost(attempt, message(), later()),
                 }
             }
         }
@@ -554,9 +574,9 @@ where
                         let why = format!("the handler panicked: {message}");
                         alert(on_terminal, claim.event(attempt, true, why)).await;
                     }
-                    Err(Error::Panicked { message, attempt, exhausted })
+                    Err(Error::Panicked { message, attempt, exhausted, retry_after: later() })
                 }
-                Err(Lost) => lost(attempt, format!("the handler panicked: {message}")),
+                Err(Lost) => lost(attempt, format!("the handler panicked: {message}"), later()),
             }
         }
     };
@@ -596,9 +616,9 @@ where
 /// The answer for an attempt that ended after another consumer took its key: what the
 /// handler did is logged, and the key is left to its owner (no release, no FAILED, no
 /// alert).
-fn lost<T, E>(attempt: u32, what: String) -> Result<T, Error<E>> {
+fn lost<T, E>(attempt: u32, what: String, retry_after: Duration) -> Result<T, Error<E>> {
     tracing::warn!(attempt, error = %what, "the handler failed after its claim was lost; the key is another consumer's");
-    Err(Error::LeaseLost { attempt })
+    Err(Error::LeaseLost { attempt, retry_after })
 }
 
 const NO_TIMER: &str = "there is no Tokio runtime with its timer enabled here, and lease \

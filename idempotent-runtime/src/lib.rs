@@ -16,6 +16,7 @@
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
 pub mod alert;
+mod backoff;
 mod classify;
 #[cfg(any(feature = "redis-streams", feature = "rabbitmq", feature = "nats", feature = "kafka"))]
 #[cfg_attr(
@@ -49,6 +50,7 @@ pub mod testing;
 pub mod transactional;
 
 pub use alert::{AlertSink, TerminalEvent, set_alert_sink};
+pub use backoff::Backoff;
 pub use classify::{Classify, ErrorClass};
 pub use error::{Error, KeyError, StoreError};
 pub use key::{Key, KeyBuilder, MAX_KEY_LEN, MAX_STORED_ID_LEN};

@@ -1,10 +1,13 @@
 //! What a successful call returns, and what the consumer should tell its broker.
 
+use std::time::Duration;
+
 use crate::Error;
 
 /// What happened to a message whose call did not fail.
 ///
 /// ```
+/// use std::time::Duration;
 /// use idempotent_runtime::{Disposition, Outcome};
 ///
 /// fn log(outcome: &Outcome<u64>) -> String {
@@ -12,13 +15,15 @@ use crate::Error;
 ///         Outcome::Processed(receipt) => format!("charged, receipt {receipt}"),
 ///         Outcome::Replayed(receipt) => format!("already charged, receipt {receipt}"),
 ///         Outcome::Duplicate => "already charged".to_owned(),
-///         Outcome::InProgress => "being charged by another consumer".to_owned(),
+///         Outcome::InProgress { .. } => "being charged by another consumer".to_owned(),
 ///         Outcome::ProcessedNotCached { value, reason } => format!("charged, receipt {value} ({reason})"),
 ///     }
 /// }
 ///
 /// assert_eq!(log(&Outcome::Processed(7)), "charged, receipt 7");
-/// assert_eq!(Outcome::<u64>::InProgress.disposition(), Disposition::Retry);
+/// let busy = Outcome::<u64>::InProgress { retry_after: Duration::from_secs(20) };
+/// assert_eq!(busy.disposition(), Disposition::Retry);
+/// assert_eq!(busy.retry_delay(), Some(Duration::from_secs(20)));
 /// assert_eq!(Outcome::Processed(7).map(|r| r + 1).into_value(), Some(8));
 /// ```
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -30,7 +35,12 @@ pub enum Outcome<T> {
     Duplicate,
     /// Another consumer holds a live claim on the key; the handler did not run.
     /// Redeliver later: by then the key is done (a duplicate) or released.
-    InProgress,
+    InProgress {
+        /// About how long the other claim's lease has left (when the store could
+        /// tell; else the handler's first `backoff` delay): by then that consumer has
+        /// finished, renewed its lease, or lost the key to the next claim.
+        retry_after: Duration,
+    },
     /// A duplicate whose recorded result was returned (only with `cache = true`).
     Replayed(T),
     /// The handler ran now and its success was recorded, but its value could not be
@@ -48,11 +58,20 @@ impl<T> Outcome<T> {
     /// Ack for everything but `InProgress`, which is retry.
     pub fn disposition(&self) -> Disposition {
         match self {
-            Outcome::InProgress => Disposition::Retry,
+            Outcome::InProgress { .. } => Disposition::Retry,
             Outcome::Processed(_)
             | Outcome::ProcessedNotCached { .. }
             | Outcome::Duplicate
             | Outcome::Replayed(_) => Disposition::Ack,
+        }
+    }
+
+    /// How long to wait before redelivering: `Some` for `InProgress` (the other
+    /// claim's lease), `None` for the rest, which are acked.
+    pub fn retry_delay(&self) -> Option<Duration> {
+        match self {
+            Outcome::InProgress { retry_after } => Some(*retry_after),
+            _ => None,
         }
     }
 
@@ -66,7 +85,7 @@ impl<T> Outcome<T> {
         match self {
             Outcome::Processed(v) | Outcome::Replayed(v) => Some(v),
             Outcome::ProcessedNotCached { value, .. } => Some(value),
-            Outcome::Duplicate | Outcome::InProgress => None,
+            Outcome::Duplicate | Outcome::InProgress { .. } => None,
         }
     }
 
@@ -79,7 +98,7 @@ impl<T> Outcome<T> {
                 Outcome::ProcessedNotCached { value: f(value), reason }
             }
             Outcome::Duplicate => Outcome::Duplicate,
-            Outcome::InProgress => Outcome::InProgress,
+            Outcome::InProgress { retry_after } => Outcome::InProgress { retry_after },
         }
     }
 }
@@ -97,8 +116,9 @@ pub enum Disposition {
     DeadLetter,
 }
 
-/// [`Outcome::disposition`] and [`Error::disposition`] on the whole result a handler
-/// returns, so a consumer loop can write `handler(msg).await.disposition()`.
+/// [`Outcome::disposition`] and [`Error::disposition`] (and their `retry_delay`) on the
+/// whole result a handler returns, so a consumer loop can write
+/// `handler(msg).await.disposition()`.
 ///
 /// ```
 /// use idempotent_runtime::{Disposition, DispositionExt, Error, Outcome};
@@ -109,6 +129,13 @@ pub enum Disposition {
 pub trait DispositionExt {
     /// What to tell the broker.
     fn disposition(&self) -> Disposition;
+
+    /// How long to wait before the message is delivered again, for a
+    /// [`Retry`](Disposition::Retry); `None` for the rest, or when the result does not
+    /// say (then the consumer's own retry delay applies). `None` unless implemented.
+    fn retry_delay(&self) -> Option<std::time::Duration> {
+        None
+    }
 
     /// Whether the handler did not run because the key was claimed elsewhere
     /// ([`Outcome::InProgress`]). A consumer that runs deliveries concurrently runs
@@ -127,7 +154,14 @@ impl<T, E> DispositionExt for Result<Outcome<T>, Error<E>> {
         }
     }
 
+    fn retry_delay(&self) -> Option<Duration> {
+        match self {
+            Ok(outcome) => outcome.retry_delay(),
+            Err(error) => error.retry_delay(),
+        }
+    }
+
     fn is_in_progress(&self) -> bool {
-        matches!(self, Ok(Outcome::InProgress))
+        matches!(self, Ok(Outcome::InProgress { .. }))
     }
 }

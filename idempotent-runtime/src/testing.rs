@@ -131,7 +131,12 @@ pub async fn in_progress_elsewhere<S: Store + ?Sized>(store: &S) {
         panic!("a fresh key must be claimable")
     };
     let out = call(store, &key, spec(5), &runs, &alerts, Ok(1)).await;
-    assert_eq!(out.unwrap(), Outcome::InProgress);
+    // Retry about when the other claim's lease runs out.
+    let retry_after = match out.unwrap() {
+        Outcome::InProgress { retry_after } => retry_after,
+        other => panic!("expected InProgress, got {other:?}"),
+    };
+    assert!(retry_after > Duration::ZERO && retry_after <= LEASE, "{retry_after:?}");
     assert_eq!(runs.load(Ordering::SeqCst), 0);
     assert_eq!(store.complete(&key, token, TTL, None).await.unwrap(), Transition::Applied);
 }
@@ -217,7 +222,7 @@ pub async fn panic_releases<S: Store + ?Sized>(store: &S) {
         .await;
     let err = out.unwrap_err();
     assert!(
-        matches!(&err, Error::Panicked { message, attempt: 1, exhausted: false } if message == "boom"),
+        matches!(&err, Error::Panicked { message, attempt: 1, exhausted: false, .. } if message == "boom"),
         "{err:?}"
     );
     assert!(err.is_retryable());
@@ -280,7 +285,7 @@ pub async fn dead_consumer_claim_expires<S: Store + ?Sized>(store: &S) {
     let Claim::Won { .. } = claim_state(store, &key).await else { panic!("fresh key") };
     // Never completed, never renewed: the process "died".
     let out = call(store, &key, spec(5), &runs, &alerts, Ok(1)).await;
-    assert_eq!(out.unwrap(), Outcome::InProgress);
+    assert!(matches!(out, Ok(Outcome::InProgress { .. })), "{out:?}");
     tokio::time::sleep(LEASE + Duration::from_millis(200)).await;
     let out = call(store, &key, spec(5), &runs, &alerts, Ok(1)).await;
     assert_eq!(out.unwrap(), Outcome::Processed(1));
@@ -366,7 +371,11 @@ pub async fn expired_lease_is_fenced<S: Store + ?Sized>(store: &S) {
     assert_eq!(store.release(&key, stale).await.unwrap(), Transition::LeaseLost);
     assert_eq!(store.fail(&key, stale, TTL).await.unwrap(), Transition::LeaseLost);
     assert_eq!(store.complete(&key, stale, TTL, None).await.unwrap(), Transition::LeaseLost);
-    assert_eq!(claim_state(store, &key).await, Claim::InProgress, "the new claim stands");
+    let answer = claim_state(store, &key).await;
+    assert!(
+        matches!(answer, Claim::InProgress { lease_left: Some(left) } if left <= LEASE),
+        "the new claim stands, with the lease it has left: {answer:?}"
+    );
     assert_eq!(store.complete(&key, fresh, TTL, None).await.unwrap(), Transition::Applied);
     assert_eq!(store.complete(&key, stale, TTL, None).await.unwrap(), Transition::LeaseLost);
     assert_eq!(claim_state(store, &key).await, Claim::Done);
@@ -389,7 +398,7 @@ pub async fn late_completion_gets_lease_lost<S: Store + ?Sized>(store: &S) {
     };
     let (slow, takeover) = tokio::join!(slow, takeover);
     assert_eq!(takeover.unwrap(), Outcome::Processed(2));
-    assert!(matches!(slow, Err(Error::LeaseLost { attempt: 1 })), "{slow:?}");
+    assert!(matches!(slow, Err(Error::LeaseLost { attempt: 1, .. })), "{slow:?}");
     assert_eq!(claim_state(store, &key).await, Claim::Done);
 }
 
@@ -416,7 +425,7 @@ pub async fn lost_lease_stops_the_body<S: Store + ?Sized>(store: &S) {
     };
     let (slow, takeover) = tokio::join!(slow, takeover);
     assert_eq!(takeover.unwrap(), Outcome::Processed(2));
-    assert!(matches!(slow, Err(Error::LeaseLost { attempt: 1 })), "{slow:?}");
+    assert!(matches!(slow, Err(Error::LeaseLost { attempt: 1, .. })), "{slow:?}");
     assert!(!went_on.load(Ordering::SeqCst), "the body went on after its lease was lost");
     assert!(alerts.events().await.is_empty(), "an alert for a key another consumer completed");
     assert_eq!(claim_state(store, &key).await, Claim::Done);
@@ -451,7 +460,7 @@ pub async fn lost_lease_failure_is_not_terminal<S: Store + ?Sized>(store: &S) {
         };
         let (slow, takeover) = tokio::join!(slow, takeover);
         assert_eq!(takeover.unwrap(), Outcome::Processed(2), "{case}");
-        assert!(matches!(slow, Err(Error::LeaseLost { attempt: 1 })), "{case}: {slow:?}");
+        assert!(matches!(slow, Err(Error::LeaseLost { attempt: 1, .. })), "{case}: {slow:?}");
         assert!(alerts.events().await.is_empty(), "{case}: alert for a key it did not own");
         assert_eq!(claim_state(store, &key).await, Claim::Done, "{case}");
     }
@@ -538,7 +547,8 @@ pub async fn payload_mismatch_is_refused<S: Store + ?Sized>(store: &S) {
     };
     let answer = store.claim(&busy, LEASE, TTL, Some(&other)).await.unwrap();
     assert_eq!(answer, Claim::Mismatch, "checked before the live claim");
-    assert_eq!(store.claim(&busy, LEASE, TTL, Some(&first)).await.unwrap(), Claim::InProgress);
+    let answer = store.claim(&busy, LEASE, TTL, Some(&first)).await.unwrap();
+    assert!(matches!(answer, Claim::InProgress { .. }), "{answer:?}");
     assert_eq!(store.complete(&busy, token, TTL, None).await.unwrap(), Transition::Applied);
 }
 
@@ -608,7 +618,7 @@ pub async fn concurrent_same_key_runs_once<S: Store + ?Sized + 'static>(store: A
     for task in tasks {
         match task.await.expect("no panic") {
             Ok(Outcome::Processed(_)) => processed += 1,
-            Ok(Outcome::InProgress | Outcome::Duplicate) => {}
+            Ok(Outcome::InProgress { .. } | Outcome::Duplicate) => {}
             other => panic!("unexpected {other:?}"),
         }
     }
@@ -642,7 +652,10 @@ pub async fn many_keys_each_once<S: Store + ?Sized + 'static>(store: Arc<S>) {
         .collect();
     for task in tasks {
         let out = task.await.expect("no panic").expect("no error");
-        assert!(matches!(out, Outcome::Processed(_) | Outcome::Duplicate | Outcome::InProgress));
+        assert!(matches!(
+            out,
+            Outcome::Processed(_) | Outcome::Duplicate | Outcome::InProgress { .. }
+        ));
     }
     for (id, n) in runs.iter().enumerate() {
         assert_eq!(n.load(Ordering::SeqCst), 1, "key {id} ran {n:?} times");
@@ -659,7 +672,7 @@ where
     let deadline = tokio::time::Instant::now() + within;
     loop {
         match f().await.expect("no error") {
-            Outcome::InProgress if tokio::time::Instant::now() < deadline => {
+            Outcome::InProgress { .. } if tokio::time::Instant::now() < deadline => {
                 tokio::time::sleep(Duration::from_millis(20)).await
             }
             other => return other,

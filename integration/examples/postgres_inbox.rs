@@ -78,7 +78,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
             loop {
                 match tokio::time::timeout(Duration::from_secs(1), debit(msg, pg)).await {
                     Err(_) => println!("debit {}: consumer crashed mid-handler", msg.debit_id),
-                    Ok(Ok(Outcome::InProgress)) => {}
+                    Ok(Ok(Outcome::InProgress { .. })) => {}
                     Ok(Ok(outcome)) => break println!("debit {}: {outcome:?}", msg.debit_id),
                     Ok(Err(e)) if !e.is_retryable() => {
                         break println!("debit {}: {e}", msg.debit_id);

@@ -148,6 +148,7 @@ fn a_retry_pauses_only_its_partition() {
                             message: "flaky".into(),
                             attempt: 1,
                             exhausted: false,
+                            retry_after: Duration::from_secs(3),
                         })
                     } else {
                         ok()
@@ -325,6 +326,7 @@ fn a_returning_partition_does_not_resume_from_a_stale_retry() {
                         message: "flaky".into(),
                         attempt: 1,
                         exhausted: false,
+                        retry_after: Duration::from_secs(600),
                     })
                 }
             })
@@ -405,6 +407,7 @@ fn a_retry_from_before_a_rebalance_does_not_leave_the_partition_paused() {
                         message: "flaky".into(),
                         attempt: 1,
                         exhausted: false,
+                        retry_after: Duration::from_millis(100),
                     });
                 }
                 ok()
@@ -753,3 +756,45 @@ fn the_last_records_before_an_idle_spell_are_committed() {
         }
     });
 }
+
+/// A record that fails retryably four times pauses its partition for its handler's
+/// backoff (`"200ms..2s"`) before each retry, while the records produced meanwhile
+/// to the other partition are handled at once; the fifth attempt succeeds.
+#[test]
+fn retries_wait_by_the_backoff_without_holding_up_the_rest() {
+    let Some(broker) = Broker::start() else { return };
+    block_on(async {
+        let topic = testing::fresh_key("kafka-backoff").namespace().to_owned();
+        broker.create_topics(&[(&topic, 2), (&format!("{topic}.dead"), 1)]).await;
+        let producer: FutureProducer = broker.config().create().unwrap();
+        let publisher: FutureProducer = broker.config().create().unwrap();
+        let consumer =
+            KafkaConsumer::new(broker.member("g", &topic), producer, format!("{topic}.dead"))
+                .concurrency(8);
+        let log = backoff::Log::default();
+        let run = consumer.run(|m: KafkaMessage| {
+            let log = log.clone();
+            async move { backoff::attempt(backoff::Job::of(&m.payload), &log).await }
+        });
+        let (publisher, topic) = (&publisher, &topic);
+        let scenario = async {
+            // Until the group has assigned both partitions, records would wait.
+            tokio::time::sleep(Duration::from_secs(3)).await;
+            log.publish_all(|id| async move {
+                // The retried record alone on partition 0; the rest on partition 1.
+                let partition = if id == "flaky" { 0 } else { 1 };
+                produce(publisher, topic, partition, &id).await;
+            })
+            .await;
+            log.wait(Duration::from_secs(20)).await;
+        };
+        tokio::select! {
+            stopped = run => panic!("the consumer stopped: {stopped:?}"),
+            () = scenario => {}
+        }
+        log.check(Duration::from_millis(600), Duration::from_millis(600));
+    });
+}
+
+#[path = "support/backoff.rs"]
+mod backoff;

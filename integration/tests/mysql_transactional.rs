@@ -204,7 +204,7 @@ async fn deliver_until_settled(
 ) -> Result<Outcome<i64>, Error<DebitError>> {
     for _ in 0..200 {
         match debit(msg, bank).await {
-            Ok(Outcome::InProgress) => tokio::time::sleep(Duration::from_millis(10)).await,
+            Ok(Outcome::InProgress { .. }) => tokio::time::sleep(Duration::from_millis(10)).await,
             other => return other,
         }
     }
@@ -351,7 +351,10 @@ async fn a_connection_killed_mid_handler_is_retryable_and_commits_nothing_with(
     };
     let (result, ()) = tokio::join!(debit(&msg, &bank), killer);
     let err = result.unwrap_err();
-    assert!(matches!(err, Error::Retryable { error: DebitError::Db(_), attempt: 1 }), "{err:?}");
+    assert!(
+        matches!(err, Error::Retryable { error: DebitError::Db(_), attempt: 1, .. }),
+        "{err:?}"
+    );
     assert_eq!((bank.rows(5).await, bank.state(5).await.as_deref()), (0, Some("R")));
     assert_eq!(debit(&msg, &bank).await.unwrap(), Outcome::Processed(105));
     assert_eq!(bank.rows(5).await, 1);
@@ -364,7 +367,7 @@ async fn a_lost_claim_rolls_the_business_write_back() {
     let msg = debit_of(6);
     bank.script(&[Fault::LoseLease]);
     let err = debit(&msg, &bank).await.unwrap_err();
-    assert!(matches!(err, Error::LeaseLost { attempt: 1 }), "{err:?}");
+    assert!(matches!(err, Error::LeaseLost { attempt: 1, .. }), "{err:?}");
     assert_eq!((bank.rows(6).await, bank.state(6).await.as_deref()), (0, Some("P")));
     bank.drop_tables().await;
 }
@@ -419,7 +422,7 @@ async fn eight_consumers_with(claim: TransactionalClaim) {
                         true
                     }
                     Ok(Ok(Outcome::Duplicate | Outcome::Replayed(_))) => true,
-                    Ok(Ok(Outcome::InProgress)) => false,
+                    Ok(Ok(Outcome::InProgress { .. })) => false,
                     Ok(Err(e)) if e.is_retryable() => false,
                     Ok(Err(e)) => panic!("message {} failed for good: {e}", msg.id),
                     Err(_) => false,

@@ -153,7 +153,11 @@ async fn the_last_allowed_delivery_is_dead_lettered() {
     let Some(setup) = Setup::new(config).await else { return };
     setup.publish(1).await;
     let mut consumer = setup.consumer().await.retry_delay(Duration::from_millis(100));
-    let in_progress = || |_: NatsMessage| async { Settled::Ok(Outcome::InProgress) };
+    let in_progress = || {
+        |_: NatsMessage| async {
+            Settled::Ok(Outcome::InProgress { retry_after: Duration::from_millis(100) })
+        }
+    };
     assert_eq!(consumer.next(in_progress()).await.unwrap().unwrap(), Disposition::Retry);
     assert_eq!(consumer.next(in_progress()).await.unwrap().unwrap(), Disposition::DeadLetter);
     let copy = setup.dead_letter().await.expect("the message was dead-lettered, not dropped");
@@ -344,3 +348,35 @@ async fn on_no_store_the_attempt_is_the_delivery_count() {
     assert!(setup.dead_letter().await.is_some());
     setup.delete().await;
 }
+
+/// A message that fails retryably four times is naked with its handler's backoff
+/// (`"200ms..2s"`) as the delay, while messages published meanwhile are handled at
+/// once; the fifth attempt succeeds.
+#[tokio::test]
+async fn retries_wait_by_the_backoff_without_holding_up_the_rest() {
+    let Some(setup) = Setup::new(pull::Config::default()).await else { return };
+    let consumer = setup.consumer().await.concurrency(8);
+    let log = backoff::Log::default();
+    let run = consumer.run(|m: NatsMessage| {
+        let log = log.clone();
+        async move { backoff::attempt(backoff::Job::of(&m.payload), &log).await }
+    });
+    let (js, subject) = (&setup.js, format!("{}.orders", setup.name));
+    let subject = &subject;
+    let scenario = async {
+        log.publish_all(|id| async move {
+            js.publish(subject.clone(), id.into()).await.unwrap().await.unwrap();
+        })
+        .await;
+        log.wait(Duration::from_secs(20)).await;
+    };
+    tokio::select! {
+        stopped = run => panic!("the consumer stopped: {stopped:?}"),
+        () = scenario => {}
+    }
+    log.check(Duration::from_millis(300), Duration::from_millis(300));
+    setup.delete().await;
+}
+
+#[path = "support/backoff.rs"]
+mod backoff;

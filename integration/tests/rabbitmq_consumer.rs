@@ -121,7 +121,12 @@ async fn a_retry_delay_does_not_hold_up_other_deliveries() {
     publish(&channel, &queue, "second").await;
     let started = Instant::now();
     let first = consumer.next(|_| async {
-        Settled::Err(Error::Panicked { message: "flaky".into(), attempt: 1, exhausted: false })
+        Settled::Err(Error::Panicked {
+            message: "flaky".into(),
+            attempt: 1,
+            exhausted: false,
+            retry_after: Duration::from_secs(3),
+        })
     });
     assert_eq!(first.await.unwrap().unwrap(), Disposition::Retry);
     let second = consumer.next(|m: RabbitMessage| async move {
@@ -460,3 +465,39 @@ async fn on_no_store_a_published_delivery_count_header_is_not_the_attempt() {
         "a first delivery was taken for the sixth"
     );
 }
+
+/// A message that fails retryably four times is held for its handler's backoff
+/// (`"200ms..2s"`) before each requeue, while messages published meanwhile are
+/// handled at once; the fifth attempt succeeds.
+#[tokio::test]
+async fn retries_wait_by_the_backoff_without_holding_up_the_rest() {
+    let Some((_connection, channel)) = open().await else { return };
+    let queue = testing::fresh_key("rabbit-backoff").namespace().to_owned();
+    let dead = idempotent::consume::rabbitmq::declare_with_dead_letter(&channel, &queue).await;
+    let dead = dead.unwrap();
+    let (_c, consumer_channel) = open().await.unwrap();
+    consumer_channel.basic_qos(64, BasicQosOptions::default()).await.unwrap();
+    let consumer =
+        RabbitConsumer::new(&consumer_channel, &queue, "c").await.unwrap().concurrency(8);
+    let log = backoff::Log::default();
+    let run = consumer.run(|m: RabbitMessage| {
+        let log = log.clone();
+        async move { backoff::attempt(backoff::Job::of(&m.body), &log).await }
+    });
+    let (channel_ref, queue_ref) = (&channel, &queue);
+    let scenario = async {
+        log.publish_all(|id| async move { publish(channel_ref, queue_ref, &id).await }).await;
+        log.wait(Duration::from_secs(20)).await;
+    };
+    tokio::select! {
+        stopped = run => panic!("the consumer stopped: {stopped:?}"),
+        () = scenario => {}
+    }
+    log.check(Duration::from_millis(300), Duration::from_millis(300));
+    for name in [&queue, &dead] {
+        channel.queue_delete(name.as_str().into(), Default::default()).await.unwrap();
+    }
+}
+
+#[path = "support/backoff.rs"]
+mod backoff;

@@ -344,3 +344,53 @@ async fn on_no_store_the_attempt_is_the_delivery_count() {
     assert_eq!(*seen.lock().unwrap(), [Some(1), Some(2), Some(3)]);
     delete(&mut conn, &[&stream, &format!("{stream}:dead")]).await;
 }
+
+/// A message that fails retryably four times is reclaimed only once its handler's
+/// backoff (`"200ms..2s"`) is over, while messages published meanwhile are handled
+/// at once; the fifth attempt succeeds. Twice: with the default reclaim idle time,
+/// where every delay is written as the entry's idle time, and with a 300 ms one,
+/// which the 800 ms and 1.6 s delays outlast, so the consumer keeps those entries
+/// touched until what is left of their delay fits.
+#[test]
+fn retries_wait_by_the_backoff_without_holding_up_the_rest() {
+    for reclaim_idle in [None, Some(Duration::from_millis(300))] {
+        block_on(async {
+            let Some((stream, conn, client)) = stream().await else { return };
+            let consumer = StreamConsumer::new(&client, &stream, "g", "c1").await.unwrap();
+            let consumer = consumer.block(Duration::from_millis(50)).concurrency(8);
+            let consumer = match reclaim_idle {
+                Some(idle) => consumer.reclaim_idle(idle),
+                None => consumer,
+            };
+            let log = backoff::Log::default();
+            let polls = async {
+                loop {
+                    let handled = consumer.poll(|m: StreamMessage| {
+                        let log = log.clone();
+                        async move { backoff::attempt(backoff::Job::of(m.body()), &log).await }
+                    });
+                    handled.await.unwrap();
+                }
+            };
+            let scenario = async {
+                log.publish_all(|id| {
+                    let (mut conn, stream) = (conn.clone(), stream.clone());
+                    async move {
+                        xadd(&mut conn, &stream, &[(b"payload", id.as_bytes())]).await;
+                    }
+                })
+                .await;
+                log.wait(Duration::from_secs(20)).await;
+            };
+            tokio::select! {
+                never = polls => never,
+                () = scenario => {}
+            }
+            log.check(Duration::from_millis(300), Duration::from_millis(300));
+            delete(&mut conn.clone(), &[&stream]).await;
+        });
+    }
+}
+
+#[path = "support/backoff.rs"]
+mod backoff;

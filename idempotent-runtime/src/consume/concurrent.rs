@@ -12,15 +12,27 @@ use tokio::time::Instant;
 
 use crate::{Disposition, DispositionExt};
 
-/// What a handler call answered.
-struct Answer {
-    disposition: Disposition,
+/// What a handler call answered: how to settle its delivery.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Answer {
+    pub(crate) disposition: Disposition,
+    /// For a Retry: how long the delivery should wait, when the result says.
+    pub(crate) retry_delay: Option<Duration>,
     in_progress: bool,
 }
 
 impl Answer {
-    fn of(result: &impl DispositionExt) -> Answer {
-        Answer { disposition: result.disposition(), in_progress: result.is_in_progress() }
+    pub(crate) fn of(result: &impl DispositionExt) -> Answer {
+        Answer {
+            disposition: result.disposition(),
+            retry_delay: result.retry_delay(),
+            in_progress: result.is_in_progress(),
+        }
+    }
+
+    /// For a Retry: the result's delay, else `default`.
+    pub(crate) fn delay_or(&self, default: Duration) -> Duration {
+        self.retry_delay.unwrap_or(default)
     }
 }
 
@@ -65,7 +77,7 @@ where
     C: FnMut(&D) -> CF,
     CF: Future<Output = R>,
     R: DispositionExt,
-    T: FnMut(D, Disposition) -> TF,
+    T: FnMut(D, Answer) -> TF,
     TF: Future<Output = Result<X, E>>,
 {
     let concurrency = concurrency.max(1);
@@ -81,9 +93,9 @@ where
     let mut queued = 0;
     let mut ended = false;
     let mut failed: Option<E> = None;
-    let mut finish = |delivery: D, disposition: Disposition| {
+    let mut finish = |delivery: D, answer: Answer| {
         let lane = lane(&delivery);
-        Either::Right(settling(lane, disposition, settle(delivery, disposition)))
+        Either::Right(settling(lane, answer.disposition, settle(delivery, answer)))
     };
     let mut start = |delivery: D, again: bool, calls: &mut Calls| {
         calls.started += 1;
@@ -147,10 +159,9 @@ where
                         let until = Instant::now()
                             .checked_add(patience)
                             .unwrap_or_else(|| Instant::now() + Duration::from_secs(86_400 * 365));
-                        let first = answer.disposition;
-                        waiting.push(Waiting { after: calls.started, until, first, delivery });
+                        waiting.push(Waiting { after: calls.started, until, first: answer, delivery });
                     } else {
-                        work.push(finish(delivery, answer.disposition));
+                        work.push(finish(delivery, answer));
                     }
                 }
                 Step::Settled { lane, disposition, result } => {
@@ -199,7 +210,7 @@ struct Waiting<D> {
     after: u64,
     /// ... or, at this instant, settled by its first answer.
     until: Instant,
-    first: Disposition,
+    first: Answer,
     delivery: D,
 }
 
@@ -223,6 +234,10 @@ mod tests {
     use std::time::Duration;
 
     use super::*;
+
+    fn answer(disposition: Disposition, in_progress: bool) -> Answer {
+        Answer { disposition, retry_delay: None, in_progress }
+    }
 
     /// The tests' calls answer directly.
     impl DispositionExt for Answer {
@@ -264,11 +279,11 @@ mod tests {
                     k.most_in_flight = k.most_in_flight.max(k.in_flight);
                     if k.done.contains_key(&key) {
                         k.in_flight -= 1;
-                        return Answer { disposition: Disposition::Ack, in_progress: false };
+                        return answer(Disposition::Ack, false);
                     }
                     if k.held.insert(key, ()).is_some() {
                         k.in_flight -= 1;
-                        return Answer { disposition: Disposition::Retry, in_progress: true };
+                        return answer(Disposition::Retry, true);
                     }
                 }
                 if keys.borrow().hung.contains(&key) {
@@ -279,16 +294,16 @@ mod tests {
                 k.held.remove(&key);
                 *k.done.entry(key).or_default() += 1;
                 k.in_flight -= 1;
-                Answer { disposition: Disposition::Ack, in_progress: false }
+                answer(Disposition::Ack, false)
             }
         };
-        let settle = |key: u32, disposition| {
+        let settle = |key: u32, answer: Answer| {
             let keys = keys.clone();
             async move {
                 if fail_settle_of == Some(key) {
                     return Err("settle failed");
                 }
-                keys.borrow_mut().settled.push((key, disposition));
+                keys.borrow_mut().settled.push((key, answer.disposition));
                 Ok(())
             }
         };
@@ -416,12 +431,12 @@ mod tests {
                 running.borrow_mut().remove(&lane);
                 let disposition =
                     if (lane, n) == (0, 2) { Disposition::Retry } else { Disposition::Ack };
-                Answer { disposition, in_progress: false }
+                answer(disposition, false)
             }
         };
-        let settle = |mut d: Delivery, disposition| {
+        let settle = |mut d: Delivery, answer: Answer| {
             d.2 = true;
-            settled.borrow_mut().push((d.0, disposition));
+            settled.borrow_mut().push((d.0, answer.disposition));
             async { Ok::<_, ()>(()) }
         };
         settle_concurrently(stream, 8, Duration::from_secs(1), |d| Some(d.0.0), call, settle)

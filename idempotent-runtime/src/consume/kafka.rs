@@ -16,7 +16,7 @@ use rdkafka::{ClientContext, Offset, Timestamp, TopicPartitionList};
 use tokio::time::Instant;
 
 use super::DEFAULT_CONCURRENCY;
-use super::concurrent::settle_concurrently;
+use super::concurrent::{Answer, settle_concurrently};
 use crate::{Disposition, DispositionExt, Payload, PayloadRef};
 
 /// One record from a partition.
@@ -60,8 +60,11 @@ impl Payload for KafkaMessage {
 ///   [`commit_interval`](KafkaConsumer::commit_interval) (100 ms), all partitions in
 ///   one commit; `next` after each record. Commits are asynchronous: a commit lost
 ///   in a crash only means a redelivery, which the store turns into a duplicate;
-/// * Retry → seek the partition back to the record and pause it for the retry delay;
-///   the other partitions go on meanwhile, and the consumer keeps polling, so the
+/// * Retry → seek the partition back to the record and pause it for the result's
+///   [`retry_delay`](DispositionExt::retry_delay) (the handler's `backoff`, or the
+///   other claim's lease for `InProgress`; the consumer's
+///   [`retry_delay`](KafkaConsumer::retry_delay) for results that don't say); the
+///   other partitions go on meanwhile, and the consumer keeps polling, so the
 ///   group does not take the partition away. Records of that partition already
 ///   fetched behind the record are skipped, neither handled nor committed, until it
 ///   comes round again: the committed offset never passes a record that has not been
@@ -375,7 +378,10 @@ impl KafkaConsumer {
         self
     }
 
-    /// How long a partition with a record left for retry pauses; default 500 ms.
+    /// How long a partition with a record left for retry pauses when the handler's
+    /// result does not say ([`DispositionExt::retry_delay`] is `None`); default 500 ms.
+    /// Also how long a record met `InProgress` waits for the calls beside it (see
+    /// [`run`](KafkaConsumer::run)).
     pub fn retry_delay(mut self, delay: Duration) -> Self {
         self.retry_delay = delay;
         self
@@ -433,8 +439,8 @@ impl KafkaConsumer {
             self.retry_delay,
             |held: &Held<'_>| Some(lane(&held.message, held.epoch)),
             |held: &Held<'_>| handler(held.message.clone()),
-            |held, disposition| async move {
-                self.settle(held, disposition).await?;
+            |held, answer| async move {
+                self.settle(held, answer).await?;
                 if self.flush_due() { self.flush() } else { Ok(()) }
             },
         );
@@ -478,10 +484,10 @@ impl KafkaConsumer {
         R: DispositionExt,
     {
         let Some(held) = self.receive().await? else { return Ok(None) };
-        let disposition = handler(held.message.clone()).await.disposition();
-        self.settle(held, disposition).await?;
+        let answer = Answer::of(&handler(held.message.clone()).await);
+        self.settle(held, answer).await?;
         self.flush()?;
-        Ok(Some(disposition))
+        Ok(Some(answer.disposition))
     }
 
     /// Receives the next record, resuming the partitions whose retry delay is over
@@ -543,13 +549,18 @@ impl KafkaConsumer {
     /// Settles a received record by its disposition (a commit, if any, is left to the
     /// next flush). On an error the record is unsettled, and dropping it rewinds its
     /// partition to it.
-    async fn settle(&self, mut held: Held<'_>, disposition: Disposition) -> Result<(), KafkaError> {
+    async fn settle(&self, mut held: Held<'_>, answer: Answer) -> Result<(), KafkaError> {
         let (topic, partition, offset) =
             (held.message.topic.as_str(), held.message.partition, held.message.offset);
-        match disposition {
+        match answer.disposition {
             Disposition::Ack => self.settled(&held),
             Disposition::Retry => {
-                let due = Instant::now() + self.retry_delay;
+                let delay = answer.delay_or(self.retry_delay);
+                // A delay too long to count waits a year (the partition is polled,
+                // so the group keeps it).
+                let due = Instant::now()
+                    .checked_add(delay)
+                    .unwrap_or_else(|| Instant::now() + Duration::from_secs(365 * 86_400));
                 // A record of an earlier assignment pauses nothing: the partition is
                 // another assignment's now (maybe this member's again), and with no
                 // retry of its own pending nothing would resume it. Nor does one the

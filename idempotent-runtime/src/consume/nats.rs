@@ -14,8 +14,9 @@ use bytes::Bytes;
 use futures_util::StreamExt as _;
 
 use super::DEFAULT_CONCURRENCY;
-use super::concurrent::settle_concurrently;
+use super::concurrent::{Answer, settle_concurrently};
 use crate::delivery::with_delivery_count;
+use crate::execute::Spec;
 use crate::{Disposition, DispositionExt, Payload, PayloadRef};
 
 /// What can go wrong while consuming: the stream of messages, an acknowledgement, or
@@ -46,8 +47,12 @@ impl Payload for NatsMessage {
 /// A JetStream pull consumer that settles each message by its handler's disposition,
 /// up to [`concurrency`](NatsConsumer::concurrency) at once (default 32) through
 /// [`run`](NatsConsumer::run), one at a time through [`next`](NatsConsumer::next):
-/// Ack → `+ACK`; Retry → `-NAK` with a delay (default 1 s), so the server redelivers
-/// it after the delay; DeadLetter → publish the body (with its headers, and
+/// Ack → `+ACK`; Retry → `-NAK` with the result's
+/// [`retry_delay`](DispositionExt::retry_delay) (the handler's `backoff`, or the other
+/// claim's lease for `InProgress`; the consumer's
+/// [`retry_delay`](NatsConsumer::retry_delay) for results that don't say), so the
+/// server redelivers it once the delay is over, and hands out other messages
+/// meanwhile; DeadLetter → publish the body (with its headers, and
 /// `Idempotent-Source-Subject` / `Idempotent-Source-Sequence`) to the dead-letter
 /// subject and wait for JetStream to store it, then `+TERM` so the server never
 /// redelivers it.
@@ -157,7 +162,10 @@ impl NatsConsumer {
         })
     }
 
-    /// How long the server waits before redelivering a message left for retry.
+    /// How long the server waits before redelivering a message left for retry, when
+    /// its handler's result does not say ([`DispositionExt::retry_delay`] is `None`);
+    /// default 1 s. Also how long a message met `InProgress` waits for the calls
+    /// beside it (see [`run`](NatsConsumer::run)).
     pub fn retry_delay(mut self, delay: Duration) -> Self {
         self.retry_delay = delay;
         self
@@ -211,7 +219,7 @@ impl NatsConsumer {
             |held: &Held| {
                 with_delivery_count(held.message.delivery_count, handler(held.message.clone()))
             },
-            |held, disposition| self.settle(held, disposition),
+            |held, answer| self.settle(held, answer),
         )
         .await
     }
@@ -237,9 +245,8 @@ impl NatsConsumer {
             Err(e) => return Some(Err(e.into())),
         };
         let call = handler(held.message.clone());
-        let disposition =
-            with_delivery_count(held.message.delivery_count, call).await.disposition();
-        Some(self.settle(held, disposition).await)
+        let answer = Answer::of(&with_delivery_count(held.message.delivery_count, call).await);
+        Some(self.settle(held, answer).await)
     }
 
     fn held(&self, message: jetstream::Message) -> Held {
@@ -281,16 +288,20 @@ impl NatsConsumer {
 
     /// Settles a message by its disposition, and answers the disposition it was
     /// settled with.
-    async fn settle(&self, held: Held, disposition: Disposition) -> Result<Disposition, NatsError> {
+    async fn settle(&self, held: Held, answer: Answer) -> Result<Disposition, NatsError> {
         // The server would drop a message left for retry at its last delivery.
-        let disposition = match disposition {
+        let disposition = match answer.disposition {
             Disposition::Retry if held.last_delivery => Disposition::DeadLetter,
             other => other,
         };
         let acker = &held.acker;
         match disposition {
             Disposition::Ack => acker.ack().await?,
-            Disposition::Retry => acker.ack_with(AckKind::Nak(Some(self.retry_delay))).await?,
+            Disposition::Retry => {
+                // The server reads the delay as nanoseconds in an i64.
+                let delay = answer.delay_or(self.retry_delay).min(Spec::MAX_DURATION);
+                acker.ack_with(AckKind::Nak(Some(delay))).await?
+            }
             Disposition::DeadLetter => {
                 self.publish_dead_letter(held.message, held.source).await?;
                 acker.ack_with(AckKind::Term).await?

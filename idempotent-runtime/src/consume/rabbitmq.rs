@@ -11,7 +11,7 @@ use lapin::types::{AMQPValue, FieldTable};
 use lapin::{BasicProperties, Channel, Confirmation, ExchangeKind};
 
 use super::DEFAULT_CONCURRENCY;
-use super::concurrent::settle_concurrently;
+use super::concurrent::{Answer, settle_concurrently};
 use crate::delivery::with_delivery_count;
 use crate::{Disposition, DispositionExt, Payload, PayloadRef};
 
@@ -85,9 +85,21 @@ fn name(name: &str) -> lapin::Result<lapin::types::ShortString> {
 /// ([`next`](RabbitConsumer::next) does the same for one delivery):
 ///
 /// * Ack → `basic.ack`.
-/// * Retry → `basic.nack` with `requeue` after the retry delay (default 1 s, so a
-///   short outage does not burn every attempt at once), from a task of its own: the
-///   delivery is held, unacked, while the consumer goes on with the next ones.
+/// * Retry → `basic.nack` with `requeue` once the result's
+///   [`retry_delay`](DispositionExt::retry_delay) is over (the handler's `backoff`, or
+///   the other claim's lease for `InProgress`; the consumer's
+///   [`retry_delay`](RabbitConsumer::retry_delay) for results that don't say), at most
+///   [`MAX_RETRY_HOLD`]. The delivery is held, unacked, by a task of its own, while the
+///   consumer goes on with the next ones: it takes no `concurrency` slot, only a unit
+///   of the channel's prefetch, so set the prefetch above `concurrency` to leave room
+///   for deliveries waiting out their delay.
+///
+///   Held rather than republished to a delay queue: the broker keeps counting the
+///   delivery (`x-delivery-count` on a quorum queue, which its `delivery-limit` and
+///   [`NoStore`](crate::NoStore)'s attempts go by), nothing is added to the broker's
+///   topology, and there is no window between publishing a delayed copy and acking
+///   the original. A consumer that dies while holding a delivery loses nothing: the
+///   broker redelivers it at once (earlier than its delay).
 /// * DeadLetter → the consumer publishes a copy to the dead-letter queue itself
 ///   (default `{queue}.dead`; the body, properties and headers, plus
 ///   `x-idempotent-source-queue`), waits for the broker's publisher confirm, and
@@ -168,7 +180,10 @@ impl RabbitConsumer {
         })
     }
 
-    /// How long to hold a delivery left for retry before requeueing it; default 1 s.
+    /// How long to hold a delivery left for retry before requeueing it, when its
+    /// handler's result does not say ([`DispositionExt::retry_delay`] is `None`);
+    /// default 1 s. Also how long a delivery met `InProgress` waits for the calls
+    /// beside it (see [`run`](RabbitConsumer::run)).
     pub fn retry_delay(mut self, delay: std::time::Duration) -> Self {
         self.retry_delay = delay;
         self
@@ -210,13 +225,13 @@ impl RabbitConsumer {
             |held: &Held| {
                 with_delivery_count(held.message.delivery_count, handler(held.message.clone()))
             },
-            |held, disposition| self.settle(held, disposition),
+            |held, answer| self.settle(held, answer),
         )
         .await
     }
 
     /// Waits for the next delivery, runs `handler` on it and settles it (a Retry's
-    /// requeue happens after the retry delay, in the background). `None` when the
+    /// requeue happens after its retry delay, in the background). `None` when the
     /// consumer was cancelled or its channel closed. One delivery at a time; see
     /// [`run`](RabbitConsumer::run) for many.
     pub async fn next<F, Fut, R>(&mut self, handler: F) -> Option<lapin::Result<Disposition>>
@@ -230,17 +245,16 @@ impl RabbitConsumer {
             Err(e) => return Some(Err(e)),
         };
         let call = handler(held.message.clone());
-        let disposition =
-            with_delivery_count(held.message.delivery_count, call).await.disposition();
-        Some(self.settle(held, disposition).await.map(|()| disposition))
+        let answer = Answer::of(&with_delivery_count(held.message.delivery_count, call).await);
+        Some(self.settle(held, answer).await.map(|()| answer.disposition))
     }
 
-    async fn settle(&self, mut held: Held, disposition: Disposition) -> lapin::Result<()> {
+    async fn settle(&self, mut held: Held, answer: Answer) -> lapin::Result<()> {
         let acker = held.acker.clone();
-        let settled = match disposition {
+        let settled = match answer.disposition {
             Disposition::Ack => sent(acker.ack(BasicAckOptions::default()).await),
             Disposition::Retry => {
-                requeue_later(acker, self.retry_delay);
+                requeue_later(acker, answer.delay_or(self.retry_delay).min(MAX_RETRY_HOLD));
                 Ok(())
             }
             Disposition::DeadLetter => match self.publish_dead_letter(&held.message).await {
@@ -338,6 +352,12 @@ fn dead_letter_properties(original: &BasicProperties, headers: FieldTable) -> Ba
     }
     copy
 }
+
+/// The longest a delivery left for retry is held before it is requeued: 15 minutes.
+/// A longer delay is cut to this, because RabbitMQ closes a channel that holds a
+/// delivery unacked past its `consumer_timeout` (30 minutes by default), and every
+/// delivery of that channel comes back at once.
+pub const MAX_RETRY_HOLD: std::time::Duration = std::time::Duration::from_secs(15 * 60);
 
 /// A delivery in hand: the message (handed to the handler as a copy, and kept for a
 /// dead-letter copy) and its acker.

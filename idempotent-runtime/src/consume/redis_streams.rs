@@ -6,6 +6,7 @@ use std::time::Duration;
 
 use redis::aio::ConnectionManager;
 use redis::{RedisResult, Value};
+use tokio::time::Instant;
 
 use crate::delivery::with_delivery_count;
 use crate::{Disposition, DispositionExt, Payload, PayloadRef};
@@ -52,7 +53,7 @@ impl Payload for StreamMessage {
 pub struct Polled {
     /// Acknowledged (`XACK`): processed, or a duplicate of a processed entry.
     pub acked: Vec<String>,
-    /// Left pending, to be reclaimed and retried after the idle time.
+    /// Left pending, to be reclaimed and retried once their retry delay is over.
     pub retried: Vec<String>,
     /// Copied to the dead-letter stream, then acknowledged.
     pub dead_lettered: Vec<String>,
@@ -65,9 +66,13 @@ pub struct Polled {
 ///
 /// Each [`poll`](StreamConsumer::poll) first reclaims entries that have been pending
 /// longer than the reclaim idle time (`XAUTOCLAIM`: entries of consumers that died,
-/// and entries left for retry), then reads new ones (`XREADGROUP`), and settles each by
-/// its handler's disposition: `XACK` on Ack; nothing on Retry (it stays pending and is
-/// reclaimed later); on DeadLetter, `XADD` to the dead-letter stream (the entry's
+/// and entries left for retry whose delay is over), then reads new ones
+/// (`XREADGROUP`), and settles each by its handler's disposition: `XACK` on Ack; on
+/// Retry, nothing but its idle time (it stays pending, and is reclaimed, by this
+/// consumer or another, once the result's
+/// [`retry_delay`](DispositionExt::retry_delay) is over: the handler's `backoff`, or
+/// the other claim's lease for `InProgress`; the reclaim idle time for results that
+/// don't say); on DeadLetter, `XADD` to the dead-letter stream (the entry's
 /// fields plus `idempotent-source-id`) and `XACK`, in one script that copies nothing
 /// unless the entry is still this consumer's: no ack without the copy, no copy of an
 /// entry another consumer took over. Standalone Redis (the two streams are different
@@ -90,6 +95,17 @@ pub struct Polled {
 /// idle time reset, if they are still this consumer's) every third of the reclaim
 /// idle time, so other consumers reclaim only the entries of a consumer that stopped,
 /// however long the batch takes.
+///
+/// A retry's delay is kept in the pending list itself, as the entry's idle time:
+/// `XCLAIM ... IDLE` sets it to the reclaim idle time less the delay, so `XAUTOCLAIM`
+/// takes the entry once the delay is over, and not before. A delay longer than the
+/// reclaim idle time can't be written so (Redis caps an idle time at the present):
+/// the consumer keeps such entries touched, at each poll and while batches run,
+/// until what is left of the delay fits. If the consumer stops meanwhile, the entry is
+/// reclaimed after the reclaim idle time: earlier than its delay, never lost. An
+/// entry due is taken at the next poll that reclaims, so a quiet consumer (whose
+/// polls wait the [`block`](StreamConsumer::block) time) retries up to that much
+/// late.
 ///
 /// ```no_run
 /// # async fn demo() -> redis::RedisResult<()> {
@@ -126,6 +142,18 @@ pub struct StreamConsumer {
     /// Where the next `XAUTOCLAIM` scan resumes, so entries deep in the pending list
     /// are reached too.
     cursor: std::sync::Arc<std::sync::Mutex<String>>,
+    /// Entries left for retry whose delay is longer than the reclaim idle time.
+    deferred: std::sync::Arc<std::sync::Mutex<Deferred>>,
+}
+
+/// Entries left for retry that must not be reclaimed yet, and can't be kept from it
+/// by their idle time alone (see [`StreamConsumer`]).
+#[derive(Default)]
+struct Deferred {
+    /// Each entry's id and when its delay is over.
+    entries: Vec<(String, Instant)>,
+    /// When they were last touched.
+    touched: Option<Instant>,
 }
 
 /// Settles an entry whose copy is already on the dead-letter stream: acks it if it is
@@ -143,17 +171,18 @@ end
 return redis.call('XACK', KEYS[1], ARGV[1], ARGV[3])
 ";
 
-/// Resets the idle time of the entries still pending for this consumer. KEYS: stream.
-/// ARGV: group, consumer, ids. Returns how many were touched.
-const TOUCH_SCRIPT: &str = r"
-local touched = 0
-for i = 3, #ARGV do
+/// Sets the idle time of the entries still pending for this consumer (0 touches an
+/// entry), without counting a delivery. KEYS: stream. ARGV: group, consumer, then an
+/// id and an idle time in ms for each entry. Returns how many were set.
+const IDLE_SCRIPT: &str = r"
+local set = 0
+for i = 3, #ARGV, 2 do
   if #redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[i], ARGV[i], 1, ARGV[2]) == 1 then
-    redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[2], 0, ARGV[i], 'JUSTID')
-    touched = touched + 1
+    redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[2], 0, ARGV[i], 'IDLE', ARGV[i + 1], 'JUSTID')
+    set = set + 1
   end
 end
-return touched
+return set
 ";
 
 /// How long a command other than a blocking read may wait for its reply.
@@ -198,6 +227,7 @@ impl StreamConsumer {
             block,
             reclaim_idle: Duration::from_secs(30),
             cursor: Default::default(),
+            deferred: Default::default(),
         })
     }
 
@@ -238,8 +268,8 @@ impl StreamConsumer {
 
     /// How long an entry must have been pending, untouched, before this consumer
     /// reclaims it; default 30 s. A live consumer touches its unsettled entries every
-    /// third of this, so only a stopped consumer's entries are reclaimed; an entry
-    /// left for retry waits this long.
+    /// third of this, so only a stopped consumer's entries are reclaimed. An entry
+    /// left for retry whose result gives no delay waits this long.
     pub fn reclaim_idle(mut self, idle: Duration) -> Self {
         self.reclaim_idle = idle.max(Duration::from_millis(3));
         self
@@ -258,6 +288,9 @@ impl StreamConsumer {
         Fut: Future<Output = R>,
         R: DispositionExt,
     {
+        if let Err(error) = self.tend_deferred(false).await {
+            tracing::warn!(%error, stream = %self.stream, "keeping retried entries waiting failed");
+        }
         let mut entries = self.reclaim().await?;
         if entries.is_empty() {
             entries = self.read().await?;
@@ -279,6 +312,7 @@ impl StreamConsumer {
                     let result =
                         with_delivery_count(count, handler(self.message(busy.entry.clone()))).await;
                     busy.disposition = result.disposition();
+                    busy.retry_delay = result.retry_delay();
                     settled.push(busy);
                 }
             }
@@ -288,10 +322,14 @@ impl StreamConsumer {
                 .collect();
             self.ack(&acked).await?;
             polled.acked = acked;
-            for Settled { entry, disposition, .. } in settled {
+            let mut retried = Vec::new();
+            for Settled { entry, disposition, retry_delay, .. } in settled {
                 match disposition {
                     Disposition::Ack => {}
-                    Disposition::Retry => polled.retried.push(entry.id),
+                    Disposition::Retry => {
+                        retried.push((entry.id.clone(), retry_delay));
+                        polled.retried.push(entry.id);
+                    }
                     Disposition::DeadLetter => {
                         if self.dead_letter(&entry.id, entry.fields).await? {
                             polled.dead_lettered.push(entry.id);
@@ -301,13 +339,22 @@ impl StreamConsumer {
                     }
                 }
             }
+            // On an error the entries are reclaimed after the reclaim idle time
+            // instead: early, not lost.
+            if let Err(error) = self.defer(retried).await {
+                tracing::warn!(%error, stream = %self.stream, "delaying retried entries failed");
+            }
             Ok(polled)
         };
         let heartbeat = async {
             loop {
                 tokio::time::sleep(self.reclaim_idle / 3).await;
-                if let Err(error) = self.touch(&unsettled).await {
+                let touched = unsettled.iter().map(|id| (id.clone(), Duration::ZERO));
+                if let Err(error) = self.set_idle(touched.collect()).await {
                     tracing::warn!(%error, stream = %self.stream, "touching pending entries failed");
+                }
+                if let Err(error) = self.tend_deferred(false).await {
+                    tracing::warn!(%error, stream = %self.stream, "keeping retried entries waiting failed");
                 }
             }
         };
@@ -335,6 +382,7 @@ impl StreamConsumer {
                 Settled {
                     entry,
                     disposition: result.disposition(),
+                    retry_delay: result.retry_delay(),
                     in_progress: result.is_in_progress(),
                 }
             }
@@ -416,19 +464,71 @@ impl StreamConsumer {
         Ok(streams.into_iter().flat_map(entries).collect())
     }
 
-    async fn touch(&self, ids: &[String]) -> RedisResult<()> {
-        if ids.is_empty() {
+    /// Sets each entry's idle time, if it is still pending for this consumer.
+    async fn set_idle(&self, entries: Vec<(String, Duration)>) -> RedisResult<()> {
+        if entries.is_empty() {
             return Ok(());
         }
         static SCRIPT: std::sync::LazyLock<redis::Script> =
-            std::sync::LazyLock::new(|| redis::Script::new(TOUCH_SCRIPT));
+            std::sync::LazyLock::new(|| redis::Script::new(IDLE_SCRIPT));
         let mut invocation = SCRIPT.prepare_invoke();
         invocation.key(&self.stream).arg(&self.group).arg(&self.consumer);
-        for id in ids {
-            invocation.arg(id);
+        for (id, idle) in entries {
+            invocation.arg(id).arg(u64::try_from(idle.as_millis()).unwrap_or(u64::MAX));
         }
         let _: i64 = invocation.invoke_async(&mut self.commands.clone()).await?;
         Ok(())
+    }
+
+    /// Keeps entries left for retry pending until their delay is over (the reclaim
+    /// idle time for those whose result gave none).
+    async fn defer(&self, retried: Vec<(String, Option<Duration>)>) -> RedisResult<()> {
+        if retried.is_empty() {
+            return Ok(());
+        }
+        let now = Instant::now();
+        if let Ok(mut deferred) = self.deferred.lock() {
+            for (id, delay) in retried {
+                let delay = delay.unwrap_or(self.reclaim_idle);
+                // A delay too long to count: a year, renewed by touches meanwhile.
+                let due = now.checked_add(delay).unwrap_or(now + Duration::from_secs(365 * 86_400));
+                deferred.entries.push((id, due));
+            }
+        }
+        self.tend_deferred(true).await
+    }
+
+    /// Gives each deferred entry whose delay ends within the reclaim idle time the idle
+    /// time that makes it reclaimable when the delay ends, and lets it go; touches the
+    /// others, every third of the reclaim idle time (or now, when `now`).
+    async fn tend_deferred(&self, now: bool) -> RedisResult<()> {
+        let at = Instant::now();
+        let idle = self.reclaim_idle;
+        let entries = {
+            let Ok(mut deferred) = self.deferred.lock() else { return Ok(()) };
+            if deferred.entries.is_empty() {
+                return Ok(());
+            }
+            let touch = now || deferred.touched.is_none_or(|t| at.duration_since(t) >= idle / 3);
+            let mut entries = Vec::new();
+            deferred.entries.retain(|(id, due)| {
+                let left = due.saturating_duration_since(at);
+                if left < idle {
+                    entries.push((id.clone(), idle - left));
+                    false
+                } else {
+                    if touch {
+                        entries.push((id.clone(), Duration::ZERO));
+                    }
+                    true
+                }
+            });
+            if touch {
+                deferred.touched = Some(at);
+            }
+            entries
+        };
+        self.set_idle(entries).await
     }
 
     fn message(&self, entry: Entry) -> StreamMessage {
@@ -481,6 +581,7 @@ impl StreamConsumer {
 struct Settled {
     entry: Entry,
     disposition: Disposition,
+    retry_delay: Option<Duration>,
     in_progress: bool,
 }
 

@@ -350,7 +350,9 @@ impl MemoryStore {
                 State::Done(None) => Claim::Done,
                 State::Done(Some(result)) => Claim::Cached(result.to_vec()),
                 State::Failed => Claim::Failed { attempts: record.attempts },
-                State::InProgress { lease_until, .. } if *lease_until > now => Claim::InProgress,
+                State::InProgress { lease_until, .. } if *lease_until > now => {
+                    Claim::InProgress { lease_left: Some(Duration::from_nanos(lease_until - now)) }
+                }
                 State::InProgress { .. } | State::Released => {
                     record.attempts += 1;
                     record.state = in_progress();
@@ -612,7 +614,10 @@ mod tests {
         // Keys it holds are answered as usual: a duplicate, a retry, a live claim.
         assert_eq!(store.claim(&key(0), short, TTL, None).await.unwrap(), Claim::Done);
         assert_eq!(won(store.claim(&key(1), short, TTL, None).await.unwrap()).1, 2);
-        assert_eq!(store.claim(&key(2), short, TTL, None).await.unwrap(), Claim::InProgress);
+        assert!(matches!(
+            store.claim(&key(2), short, TTL, None).await.unwrap(),
+            Claim::InProgress { lease_left: Some(left) } if left <= short
+        ));
         // Leases running out do not free room: those records keep their attempts.
         tokio::time::advance(short * 2).await;
         assert!(store.claim(&key(100), short, TTL, None).await.is_err());
@@ -814,7 +819,9 @@ mod tests {
                                     match r.s {
                                         S::Done => Some(Claim::Done),
                                         S::Failed => Some(Claim::Failed { attempts: r.attempts }),
-                                        S::InProgress(until) if until > now => Some(Claim::InProgress),
+                                        S::InProgress(until) if until > now => {
+                                            Some(Claim::InProgress { lease_left: Some(ms(until - now)) })
+                                        }
                                         _ => {
                                             r.attempts += 1;
                                             r.s = S::InProgress(now + l);

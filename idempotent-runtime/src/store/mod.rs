@@ -99,7 +99,11 @@ pub enum Claim {
     /// same key was used for another message. Nothing changed.
     Mismatch,
     /// Another claim on the key is live.
-    InProgress,
+    InProgress {
+        /// How long that claim's lease has left, by the store's clock; `None` when
+        /// the store can't tell (a claim held inside another transaction).
+        lease_left: Option<Duration>,
+    },
     /// The key is FAILED and within its dedupe window.
     Failed {
         /// How many attempts the key had.

@@ -272,7 +272,9 @@ impl MysqlStore {
                 Ok(done) => done,
                 // The record row stayed locked for `LOCK_TIMEOUT`: another consumer is
                 // committing it, or died while it was.
-                Err(e) if sql::is_lock_timeout(&e) => return Ok(Claim::InProgress),
+                Err(e) if sql::is_lock_timeout(&e) => {
+                    return Ok(Claim::InProgress { lease_left: None });
+                }
                 // Rolled back whole, with the transaction it was in: only a claim on
                 // its own can simply be sent again (a later statement on the
                 // connection would run outside any transaction).
@@ -298,7 +300,9 @@ impl MysqlStore {
                 },
                 DONE => Ok(Claim::Done),
                 FAILED => Ok(Claim::Failed { attempts }),
-                IN_PROGRESS => Ok(Claim::InProgress),
+                IN_PROGRESS => Ok(Claim::InProgress {
+                    lease_left: Some(Duration::from_millis(verdict & 0xffff_ffff)),
+                }),
                 MISMATCH => Ok(Claim::Mismatch),
                 other => Err(StoreError::Protocol(format!("claim answered {other}"))),
             };
@@ -387,7 +391,8 @@ impl MysqlStore {
 
 /// The claim's verdict, passed through `LAST_INSERT_ID(expr)`: what happened in the
 /// bits from [`VERDICT_SHIFT`], whether a DONE record caches a result in bit 32, the
-/// attempts in the low 32 bits. 0 (a fresh insert, where no assignment ran) is never
+/// attempts in the low 32 bits (for an in-progress record, the lease's milliseconds
+/// left instead). 0 (a fresh insert, where no assignment ran) is never
 /// a verdict.
 const VERDICT_SHIFT: u32 = 33;
 const WON: u64 = 1;
@@ -594,7 +599,9 @@ ON DUPLICATE KEY UPDATE
             WHEN state = 'D'
                 THEN ({DONE} << {VERDICT_SHIFT}) | IF(result IS NULL, 0, {CACHED}) | attempts
             WHEN state = 'F' THEN ({FAILED} << {VERDICT_SHIFT}) | attempts
-            ELSE {IN_PROGRESS} << {VERDICT_SHIFT} END) >> {VERDICT_SHIFT} = {WON},
+            ELSE ({IN_PROGRESS} << {VERDICT_SHIFT})
+                 | LEAST(GREATEST(COALESCE(TIMESTAMPDIFF(MICROSECOND, {NOW}, lease_until) DIV 1000, 0),
+                                  0), 4294967295) END) >> {VERDICT_SHIFT} = {WON},
         :token, token),
     attempts = IF({won}, IF(expires_at <= {NOW}, 1, attempts + 1), attempts),
     result = IF({won}, NULL, result),

@@ -252,11 +252,13 @@ CREATE INDEX IF NOT EXISTS {index}_expires_at ON {t} (expires_at);"
                 Ok(row) => row,
                 // The record row stayed locked for `LOCK_TIMEOUT`: another consumer is
                 // committing it, or died while it was.
-                Err(e) if sql::is_lock_timeout(&e) => return Ok(Claim::InProgress),
+                Err(e) if sql::is_lock_timeout(&e) => {
+                    return Ok(Claim::InProgress { lease_left: None });
+                }
                 Err(e) => return Err(sql::store_error(e)),
             };
-            let Some((outcome, attempts, result)) = row else { continue };
-            return claim_answer(&outcome, attempts, result, token);
+            let Some((outcome, attempts, result, lease_left)) = row else { continue };
+            return claim_answer(&outcome, attempts, result, lease_left, token);
         }
         Err(StoreError::Protocol("claim saw no record after 10 tries".to_owned()))
     }
@@ -288,7 +290,7 @@ CREATE INDEX IF NOT EXISTS {index}_expires_at ON {t} (expires_at);"
                     .await
                     .map_err(sql::store_error)?;
             let Some((Some(outcome), attempts, result)) = row else { continue };
-            return claim_answer(&outcome, attempts, result, Token::random());
+            return claim_answer(&outcome, attempts, result, None, Token::random());
         }
         Err(StoreError::Protocol("claim saw no record after 10 tries".to_owned()))
     }
@@ -365,12 +367,14 @@ fn statement(sql: String) -> SqlStr {
     AssertSqlSafe(std::sync::Arc::<str>::from(sql)).into_sql_str()
 }
 
-/// The claim a claim statement's row answers: its outcome letter, the attempts and
-/// any cached result; `token` is the claim's, if it won.
+/// The claim a claim statement's row answers: its outcome letter, the attempts, any
+/// cached result and the lease left in ms (for `P`, when the statement could tell);
+/// `token` is the claim's, if it won.
 fn claim_answer(
     outcome: &str,
     attempts: i32,
     result: Option<Vec<u8>>,
+    lease_left: Option<i64>,
     token: Token,
 ) -> Result<Claim, StoreError> {
     let attempts = u32::try_from(attempts).unwrap_or(0);
@@ -378,13 +382,15 @@ fn claim_answer(
         "W" => Ok(Claim::Won { token, attempt: attempts }),
         "D" => Ok(result.map_or(Claim::Done, Claim::Cached)),
         "F" => Ok(Claim::Failed { attempts }),
-        "P" => Ok(Claim::InProgress),
+        "P" => Ok(Claim::InProgress {
+            lease_left: lease_left.map(|ms| Duration::from_millis(u64::try_from(ms).unwrap_or(0))),
+        }),
         "M" => Ok(Claim::Mismatch),
         other => Err(StoreError::Protocol(format!("claim returned {other:?}"))),
     }
 }
 
-type ClaimRow = (String, i32, Option<Vec<u8>>);
+type ClaimRow = (String, i32, Option<Vec<u8>>, Option<i64>);
 
 /// How long one of the store's statements waits for a row lock before giving up. A
 /// record row stays locked while a handler's transaction commits its DONE update; if
@@ -490,14 +496,15 @@ fn claim_sql(t: &str, commit: ClaimCommit) -> String {
     WHERE {TAKES_OVER}
     RETURNING 'W'::text AS outcome, r.attempts, NULL::bytea AS result
 )
-SELECT outcome, attempts, result FROM claimed
+SELECT outcome, attempts, result, NULL::bigint FROM claimed
 UNION ALL
 SELECT CASE WHEN r.fingerprint IS NOT NULL AND $5::bytea IS NOT NULL
                  AND r.fingerprint <> $5::bytea THEN 'M'
             WHEN r.state = 'D' THEN 'D'
             WHEN r.state = 'F' THEN 'F'
             ELSE 'P' END,
-       r.attempts, r.result
+       r.attempts, r.result,
+       GREATEST(0, ceil(extract(epoch FROM r.lease_until - clock_timestamp()) * 1000))::bigint
 FROM {t} r
 WHERE r.key = $1 AND r.expires_at > clock_timestamp() AND NOT EXISTS (SELECT 1 FROM claimed)"
     )

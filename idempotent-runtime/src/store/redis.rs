@@ -46,9 +46,9 @@ pub const DEFAULT_CONNECTION_TIMEOUT: Duration = Duration::from_secs(2);
 /// The claim script: the whole claim, for a record that the claim's `SET NX GET`
 /// could not settle (and for servers before Redis 7.0, for every claim). KEYS: the
 /// record. ARGV: token, lease ms, retention ms, fingerprint (or `-`). Returns
-/// `{state, attempts}` with state `W` (won), `P` (in progress), `F` (failed) or `M`
-/// (fingerprint mismatch), or `{'D', attempts, result}` (done; result empty when none
-/// was cached). A record in progress under the caller's own token is a win: the same
+/// `{state, attempts}` with state `W` (won), `F` (failed) or `M` (fingerprint
+/// mismatch), `{'P', attempts, lease ms left}` (in progress), or `{'D', attempts,
+/// result}` (done; result empty when none was cached). A record in progress under the caller's own token is a win: the same
 /// claim sent again (a Cluster client resends after a redirect or a lost connection)
 /// answers as the first did.
 pub const CLAIM_SCRIPT: &str = r"
@@ -72,10 +72,11 @@ if s == 'F' then return {'F', a} end
 local pttl = redis.call('PTTL', KEYS[1])
 if s == 'P' then
   if not deadline then
-    if pttl > tonumber(held) then return {'P', a} end
+    if pttl > tonumber(held) then return {'P', a, pttl - tonumber(held)} end
   else
     local now = redis.call('TIME')
-    if tonumber(deadline) > tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000) then return {'P', a} end
+    local left = tonumber(deadline) - (tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000))
+    if left > 0 then return {'P', a, left} end
   end
 end
 a = a + 1
@@ -344,7 +345,10 @@ impl RedisStore {
                 let result: Vec<u8> = redis::from_redis_value(field(2)).map_err(parse_error)?;
                 Ok(if result.is_empty() { Claim::Done } else { Claim::Cached(result) })
             }
-            "P" => Ok(Claim::InProgress),
+            "P" => {
+                let left: Option<u64> = redis::from_redis_value(field(2)).map_err(parse_error)?;
+                Ok(Claim::InProgress { lease_left: left.map(Duration::from_millis) })
+            }
             "F" => Ok(Claim::Failed { attempts }),
             "M" => Ok(Claim::Mismatch),
             other => Err(StoreError::Protocol(format!("claim script returned state {other:?}"))),
