@@ -768,9 +768,10 @@ fn retries_wait_by_the_backoff_without_holding_up_the_rest() {
         broker.create_topics(&[(&topic, 2), (&format!("{topic}.dead"), 1)]).await;
         let producer: FutureProducer = broker.config().create().unwrap();
         let publisher: FutureProducer = broker.config().create().unwrap();
-        let consumer =
-            KafkaConsumer::new(broker.member("g", &topic), producer, format!("{topic}.dead"))
-                .concurrency(8);
+        // A resumed partition is fetched by the next fetch request, which waits up to
+        // `fetch.wait.max.ms` (500 ms by default) on a partition with no new data.
+        let member = broker.member_with("g", &topic, &[("fetch.wait.max.ms", "50")]);
+        let consumer = KafkaConsumer::new(member, producer, format!("{topic}.dead")).concurrency(8);
         let log = backoff::Log::default();
         let run = consumer.run(|m: KafkaMessage| {
             let log = log.clone();
@@ -792,7 +793,7 @@ fn retries_wait_by_the_backoff_without_holding_up_the_rest() {
             stopped = run => panic!("the consumer stopped: {stopped:?}"),
             () = scenario => {}
         }
-        log.check(Duration::from_millis(600), Duration::from_millis(600));
+        log.check(Duration::from_millis(300), Duration::from_millis(300));
     });
 }
 

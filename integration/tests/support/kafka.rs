@@ -65,15 +65,28 @@ impl Broker {
 
     /// A member of `group` subscribed to `topic`, as `KafkaConsumer` needs it.
     pub fn member(&self, group: &str, topic: &str) -> StreamConsumer<KafkaContext> {
-        let consumer: StreamConsumer<KafkaContext> = self
-            .config()
+        self.member_with(group, topic, &[])
+    }
+
+    /// [`member`](Broker::member), with more client `settings`.
+    pub fn member_with(
+        &self,
+        group: &str,
+        topic: &str,
+        settings: &[(&str, &str)],
+    ) -> StreamConsumer<KafkaContext> {
+        let mut config = self.config();
+        config
             .set("group.id", group)
             .set("enable.auto.commit", "false")
             .set("auto.offset.reset", "earliest")
             .set("session.timeout.ms", "6000")
-            .set("heartbeat.interval.ms", "500")
-            .create_with_context(KafkaContext::default())
-            .unwrap();
+            .set("heartbeat.interval.ms", "500");
+        for (key, value) in settings {
+            config.set(*key, *value);
+        }
+        let consumer: StreamConsumer<KafkaContext> =
+            config.create_with_context(KafkaContext::default()).unwrap();
         consumer.subscribe(&[topic]).unwrap();
         consumer
     }
