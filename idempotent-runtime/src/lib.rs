@@ -39,6 +39,17 @@ mod json_number;
 mod key;
 mod outcome;
 mod payload;
+#[cfg(any(feature = "redis-streams", feature = "rabbitmq", feature = "nats", feature = "kafka"))]
+#[cfg_attr(
+    docsrs,
+    doc(cfg(any(
+        feature = "redis-streams",
+        feature = "rabbitmq",
+        feature = "nats",
+        feature = "kafka"
+    )))
+)]
+pub mod publish;
 #[doc(hidden)]
 pub mod result_alias;
 pub mod store;

@@ -36,6 +36,11 @@ pub struct KafkaMessage {
     pub timestamp: Option<i64>,
     /// Its headers, in order.
     pub headers: Vec<(String, Option<Vec<u8>>)>,
+    /// Its first `message-id` header, as
+    /// [`KafkaPublisher`](crate::publish::kafka::KafkaPublisher) sets it: for
+    /// `key = "{message_id}"`. Empty when it has none (or it is not UTF-8), so a key
+    /// using it is a key error.
+    pub message_id: String,
 }
 
 /// The value is the payload, for `{/json/pointer}` keys and `validate`.
@@ -511,6 +516,7 @@ impl KafkaConsumer {
                 () = rewound => continue,
             }
         };
+        let headers = headers(&record);
         let message = KafkaMessage {
             topic: record.topic().to_owned(),
             partition: record.partition(),
@@ -521,7 +527,8 @@ impl KafkaConsumer {
                 Timestamp::NotAvailable => None,
                 Timestamp::CreateTime(t) | Timestamp::LogAppendTime(t) => Some(t),
             },
-            headers: headers(&record),
+            message_id: message_id(&headers),
+            headers,
         };
         drop(record);
         let partition = (message.topic.clone(), message.partition);
@@ -759,6 +766,14 @@ fn headers(record: &rdkafka::message::BorrowedMessage<'_>) -> Vec<(String, Optio
         out.push((key, value));
     }
     out
+}
+
+/// The first `message-id` header's value, if it is UTF-8.
+fn message_id(headers: &[(String, Option<Vec<u8>>)]) -> String {
+    (headers.iter())
+        .find(|(name, _)| name == crate::publish::kafka::MESSAGE_ID_HEADER)
+        .and_then(|(_, value)| value.as_deref())
+        .map_or_else(String::new, crate::publish::id_text)
 }
 
 /// A record received and not settled yet: dropped unsettled (a dropped future, a

@@ -32,6 +32,11 @@ pub struct NatsMessage {
     pub payload: Bytes,
     /// Its headers.
     pub headers: Option<HeaderMap>,
+    /// Its `Nats-Msg-Id` header, as
+    /// [`NatsPublisher`](crate::publish::nats::NatsPublisher) sets it: for
+    /// `key = "{message_id}"`. Empty when it has none, so a key using it is a key
+    /// error.
+    pub message_id: String,
     /// How many times the server has delivered it, this time included (the reply
     /// subject's count); the attempt of a handler on [`NoStore`](crate::NoStore).
     pub delivery_count: Option<u32>,
@@ -263,6 +268,9 @@ impl NatsConsumer {
             message: NatsMessage {
                 subject: message.subject.to_string(),
                 payload: message.payload,
+                message_id: (message.headers.as_ref())
+                    .and_then(|h| h.get(crate::publish::nats::MESSAGE_ID_HEADER))
+                    .map_or_else(String::new, |id| id.as_str().to_owned()),
                 headers: message.headers,
                 delivery_count: info.and_then(|(delivered, _)| u32::try_from(delivered).ok()),
             },

@@ -4,15 +4,16 @@ use std::future::Future;
 
 use futures_util::StreamExt as _;
 use lapin::options::{
-    BasicAckOptions, BasicConsumeOptions, BasicNackOptions, BasicPublishOptions,
-    ConfirmSelectOptions, ExchangeDeclareOptions, QueueBindOptions, QueueDeclareOptions,
+    BasicAckOptions, BasicConsumeOptions, BasicNackOptions, ConfirmSelectOptions,
+    ExchangeDeclareOptions, QueueBindOptions, QueueDeclareOptions,
 };
 use lapin::types::{AMQPValue, FieldTable};
-use lapin::{BasicProperties, Channel, Confirmation, ExchangeKind};
+use lapin::{BasicProperties, Channel, ExchangeKind};
 
 use super::DEFAULT_CONCURRENCY;
 use super::concurrent::{Answer, settle_concurrently};
 use crate::delivery::with_delivery_count;
+use crate::publish::rabbitmq::{confirmed, name, refused};
 use crate::{Disposition, DispositionExt, Payload, PayloadRef};
 
 /// One delivery from a queue.
@@ -22,6 +23,11 @@ pub struct RabbitMessage {
     pub body: Vec<u8>,
     /// The routing key it was published with.
     pub routing_key: String,
+    /// Its `message_id` property, as
+    /// [`RabbitPublisher`](crate::publish::rabbitmq::RabbitPublisher) sets it: for
+    /// `key = "{message_id}"`. Empty when it has none, so a key using it is a key
+    /// error.
+    pub message_id: String,
     /// Whether the broker delivered it before.
     pub redelivered: bool,
     /// How many times the broker has delivered it, this time included: 1 for a
@@ -65,16 +71,6 @@ pub async fn declare_with_dead_letter(channel: &Channel, queue: &str) -> lapin::
     arguments.insert("x-dead-letter-exchange".into(), AMQPValue::LongString(exchange.into()));
     channel.queue_declare(name(queue)?, durable, arguments).await?;
     Ok(dead)
-}
-
-/// An AMQP name (at most 255 bytes); a longer one is an error, not a panic.
-fn name(name: &str) -> lapin::Result<lapin::types::ShortString> {
-    lapin::types::ShortString::try_new(name).map_err(|_| {
-        lapin::Error::from(std::io::Error::new(
-            std::io::ErrorKind::InvalidInput,
-            format!("AMQP names are at most 255 bytes; this one has {}", name.len()),
-        ))
-    })
 }
 
 /// A consumer on one queue with manual acknowledgements.
@@ -289,27 +285,9 @@ impl RabbitConsumer {
             AMQPValue::LongString(message.routing_key.clone().into()),
         );
         let properties = dead_letter_properties(&message.properties, headers);
-        let options = BasicPublishOptions { mandatory: true, immediate: false };
-        let confirm = self
-            .channel
-            .basic_publish(name("")?, name(&self.dead_letter)?, options, &message.body, properties)
-            .await?
-            .await?;
-        match confirm {
-            Confirmation::Ack(None) => Ok(()),
-            Confirmation::Ack(Some(_)) => Err(refused(format!(
-                "the dead-letter copy could not be routed to queue `{}`",
-                self.dead_letter
-            ))),
-            Confirmation::Nack(_) => Err(refused(format!(
-                "the broker refused the dead-letter copy for queue `{}`",
-                self.dead_letter
-            ))),
-            Confirmation::NotRequested => Err(refused(
-                "the channel is not in confirm mode, so the dead-letter copy is unconfirmed"
-                    .to_owned(),
-            )),
-        }
+        let destination = format!("the dead-letter queue `{}`", self.dead_letter);
+        confirmed(&self.channel, "", &self.dead_letter, &message.body, properties, &destination)
+            .await
     }
 }
 
@@ -377,6 +355,8 @@ impl Held {
             message: RabbitMessage {
                 body: delivery.data,
                 routing_key: delivery.routing_key.to_string(),
+                message_id: (delivery.properties.message_id().as_ref())
+                    .map_or_else(String::new, ToString::to_string),
                 redelivered: delivery.redelivered,
                 delivery_count: delivery_count(delivery.redelivered, &delivery.properties),
                 properties: delivery.properties,
@@ -444,8 +424,4 @@ fn sent(result: lapin::Result<bool>) -> lapin::Result<()> {
         )),
         Err(error) => Err(error),
     }
-}
-
-fn refused(why: String) -> lapin::Error {
-    lapin::Error::from(std::io::Error::other(why))
 }

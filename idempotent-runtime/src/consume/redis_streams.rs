@@ -28,6 +28,11 @@ pub struct StreamMessage {
     /// (`None` if reading it failed). The attempt of a handler on
     /// [`NoStore`](crate::NoStore).
     pub delivery_count: Option<usize>,
+    /// Its last `message-id` field, as
+    /// [`publish`](crate::publish::redis_streams::publish) sets it: for
+    /// `key = "{message_id}"`. Empty when it has none (or it is not UTF-8), so a key
+    /// using it is a key error.
+    pub message_id: String,
     payload_field: String,
     /// The fields exactly as Redis holds them, in order.
     raw: Vec<(Vec<u8>, Vec<u8>)>,
@@ -535,10 +540,15 @@ impl StreamConsumer {
         let fields = (entry.fields.iter())
             .map(|(name, value)| (String::from_utf8_lossy(name).into_owned(), value.clone()))
             .collect();
+        let field = crate::publish::redis_streams::MESSAGE_ID_FIELD.as_bytes();
+        let message_id = (entry.fields.iter().rev())
+            .find(|(name, _)| name == field)
+            .map_or_else(String::new, |(_, value)| crate::publish::id_text(value));
         StreamMessage {
             id: entry.id,
             fields,
             delivery_count: entry.delivery_count,
+            message_id,
             payload_field: self.payload_field.clone(),
             raw: entry.fields,
         }
