@@ -494,6 +494,9 @@ impl StreamConsumer {
         let now = Instant::now();
         if let Ok(mut deferred) = self.deferred.lock() {
             for (id, delay) in retried {
+                // An entry reclaimed early (its consumer polled too seldom to keep it
+                // touched) and retried again waits its new delay only.
+                deferred.entries.retain(|(held, _)| *held != id);
                 let delay = delay.unwrap_or(self.reclaim_idle);
                 // A delay too long to count: a year, renewed by touches meanwhile.
                 let due = now.checked_add(delay).unwrap_or(now + Duration::from_secs(365 * 86_400));

@@ -26,10 +26,16 @@ impl Consumer {
         };
         let __idempotent_call = ::idempotent::__private::Call::new(
             ::idempotent::__private::Spec::new(
-                ::core::time::Duration::from_millis(3600000u64),
-                ::core::time::Duration::from_millis(10000u64),
-                3u32,
-            ),
+                    ::core::time::Duration::from_millis(3600000u64),
+                    ::core::time::Duration::from_millis(10000u64),
+                    3u32,
+                )
+                .with_backoff(
+                    ::idempotent::__private::Backoff::exponential(
+                        ::core::time::Duration::from_millis(500u64),
+                        ::core::time::Duration::from_millis(60000u64),
+                    ),
+                ),
             __idempotent_key,
         );
         let __idempotent_store = &(self.store);

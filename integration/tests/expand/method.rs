@@ -12,7 +12,7 @@ struct Consumer {
 }
 
 impl Consumer {
-    #[idempotent(key = "{self.tenant}/{id}", store = self.store, lease = "10s", ttl = "1h", max_attempts = 3, namespace = "billing.charge")]
+    #[idempotent(key = "{self.tenant}/{id}", store = self.store, lease = "10s", ttl = "1h", max_attempts = 3, backoff = "500ms..1m", namespace = "billing.charge")]
     async fn handle(&self, order: &Order) {
         let _ = &order.id;
     }
