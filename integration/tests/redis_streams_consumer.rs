@@ -394,3 +394,58 @@ fn retries_wait_by_the_backoff_without_holding_up_the_rest() {
 
 #[path = "support/backoff.rs"]
 mod backoff;
+
+/// A poll whose settling fails after some of its entries were left for retry (here
+/// a dead letter cannot be written: the dead-letter key holds a string) still keeps
+/// those entries back for their retry delay. Otherwise they are reclaimed after the
+/// reclaim idle time, however long their handler's backoff asked to wait.
+#[test]
+fn a_failed_settle_still_delays_the_batch_retries() {
+    block_on(async {
+        let Some((stream, mut conn, client)) = stream().await else { return };
+        let dead = format!("{stream}:dead");
+        let idle = Duration::from_millis(400);
+        let delay = Duration::from_secs(3);
+        let consumer = StreamConsumer::new(&client, &stream, "g", "c1").await.unwrap();
+        let consumer = consumer.reclaim_idle(idle).block(Duration::from_millis(50)).concurrency(1);
+        let retried = xadd(&mut conn, &stream, &[(b"payload", b"retry")]).await;
+        xadd(&mut conn, &stream, &[(b"payload", b"dead")]).await;
+        let _: () =
+            redis::cmd("SET").arg(&dead).arg("not a stream").query_async(&mut conn).await.unwrap();
+        let handler = |m: StreamMessage| async move {
+            if m.body() == b"retry" {
+                Settled::Err(Error::Retryable {
+                    error: std::io::ErrorKind::TimedOut.into(),
+                    attempt: 1,
+                    retry_after: delay,
+                })
+            } else {
+                Settled::Err(Error::PayloadMismatch)
+            }
+        };
+        let failed = consumer.poll(handler).await;
+        let left = Instant::now();
+        assert!(failed.is_err(), "the dead letter could not be written: {failed:?}");
+        delete(&mut conn, &[&dead]).await;
+        let mut back = None;
+        while back.is_none() && left.elapsed() < delay + Duration::from_secs(3) {
+            let polled = consumer
+                .poll(|m: StreamMessage| async move {
+                    let _ = m;
+                    Settled::Ok(Outcome::Processed(()))
+                })
+                .await
+                .unwrap();
+            if polled.acked.contains(&retried) {
+                back = Some(left.elapsed());
+            }
+        }
+        let back = back.expect("the retried entry came back");
+        assert!(
+            back + Duration::from_millis(50) >= delay,
+            "the entry left for retry with a {delay:?} delay came back after {back:?} \
+             (the reclaim idle time is {idle:?})"
+        );
+        delete(&mut conn, &[&stream, &dead]).await;
+    });
+}
