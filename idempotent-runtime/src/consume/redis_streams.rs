@@ -321,35 +321,41 @@ impl StreamConsumer {
                     settled.push(busy);
                 }
             }
-            let acked: Vec<String> = (settled.iter())
-                .filter(|s| s.disposition == Disposition::Ack)
-                .map(|s| s.entry.id.clone())
+            // The entries left for retry are kept back for their delay even when
+            // an ack or a dead letter below fails, and the poll answers that error.
+            let retried: Vec<(String, Option<Duration>)> = (settled.iter())
+                .filter(|s| s.disposition == Disposition::Retry)
+                .map(|s| (s.entry.id.clone(), s.retry_delay))
                 .collect();
-            self.ack(&acked).await?;
-            polled.acked = acked;
-            let mut retried = Vec::new();
-            for Settled { entry, disposition, retry_delay, .. } in settled {
-                match disposition {
-                    Disposition::Ack => {}
-                    Disposition::Retry => {
-                        retried.push((entry.id.clone(), retry_delay));
-                        polled.retried.push(entry.id);
-                    }
-                    Disposition::DeadLetter => {
-                        if self.dead_letter(&entry.id, entry.fields).await? {
-                            polled.dead_lettered.push(entry.id);
-                        } else {
-                            polled.taken_over.push(entry.id);
+            let settling = async {
+                let acked: Vec<String> = (settled.iter())
+                    .filter(|s| s.disposition == Disposition::Ack)
+                    .map(|s| s.entry.id.clone())
+                    .collect();
+                self.ack(&acked).await?;
+                polled.acked = acked;
+                for Settled { entry, disposition, .. } in settled {
+                    match disposition {
+                        Disposition::Ack => {}
+                        Disposition::Retry => polled.retried.push(entry.id),
+                        Disposition::DeadLetter => {
+                            if self.dead_letter(&entry.id, entry.fields).await? {
+                                polled.dead_lettered.push(entry.id);
+                            } else {
+                                polled.taken_over.push(entry.id);
+                            }
                         }
                     }
                 }
-            }
+                RedisResult::Ok(())
+            };
+            let settled = settling.await;
             // On an error the entries are reclaimed after the reclaim idle time
             // instead: early, not lost.
             if let Err(error) = self.defer(retried).await {
                 tracing::warn!(%error, stream = %self.stream, "delaying retried entries failed");
             }
-            Ok(polled)
+            settled.map(|()| polled)
         };
         let heartbeat = async {
             loop {
