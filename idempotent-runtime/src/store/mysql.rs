@@ -300,6 +300,11 @@ impl MysqlStore {
                 },
                 DONE => Ok(Claim::Done),
                 FAILED => Ok(Claim::Failed { attempts }),
+                // Milliseconds, or whole seconds (flagged by the cached bit) for a
+                // lease longer than 32 bits of milliseconds (49.7 days).
+                IN_PROGRESS if verdict & CACHED != 0 => Ok(Claim::InProgress {
+                    lease_left: Some(Duration::from_secs(verdict & 0xffff_ffff)),
+                }),
                 IN_PROGRESS => Ok(Claim::InProgress {
                     lease_left: Some(Duration::from_millis(verdict & 0xffff_ffff)),
                 }),
@@ -392,7 +397,8 @@ impl MysqlStore {
 /// The claim's verdict, passed through `LAST_INSERT_ID(expr)`: what happened in the
 /// bits from [`VERDICT_SHIFT`], whether a DONE record caches a result in bit 32, the
 /// attempts in the low 32 bits (for an in-progress record, the lease's milliseconds
-/// left instead). 0 (a fresh insert, where no assignment ran) is never
+/// left instead, or with bit 32 set, for a lease beyond 32 bits of milliseconds, its
+/// whole seconds left). 0 (a fresh insert, where no assignment ran) is never
 /// a verdict.
 const VERDICT_SHIFT: u32 = 33;
 const WON: u64 = 1;
@@ -600,8 +606,10 @@ ON DUPLICATE KEY UPDATE
                 THEN ({DONE} << {VERDICT_SHIFT}) | IF(result IS NULL, 0, {CACHED}) | attempts
             WHEN state = 'F' THEN ({FAILED} << {VERDICT_SHIFT}) | attempts
             ELSE ({IN_PROGRESS} << {VERDICT_SHIFT})
-                 | LEAST(GREATEST(COALESCE(TIMESTAMPDIFF(MICROSECOND, {NOW}, lease_until) DIV 1000, 0),
-                                  0), 4294967295) END) >> {VERDICT_SHIFT} = {WON},
+                 | IF(TIMESTAMPDIFF(MICROSECOND, {NOW}, lease_until) DIV 1000 > 4294967295,
+                      {CACHED} | LEAST(TIMESTAMPDIFF(SECOND, {NOW}, lease_until), 4294967295),
+                      GREATEST(COALESCE(TIMESTAMPDIFF(MICROSECOND, {NOW}, lease_until) DIV 1000, 0),
+                               0)) END) >> {VERDICT_SHIFT} = {WON},
         :token, token),
     attempts = IF({won}, IF(expires_at <= {NOW}, 1, attempts + 1), attempts),
     result = IF({won}, NULL, result),
