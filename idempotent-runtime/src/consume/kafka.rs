@@ -886,6 +886,25 @@ mod tests {
         assert_eq!(committed(&state), Some(14));
     }
 
+    /// Offset 11 is left for retry with a long delay, then offset 10 (in flight beside
+    /// it, another key) with a short one: the partition reads again from 10, and so
+    /// reads 11 right after it. The pause must last until 11's delay is over too, or
+    /// 11 is retried long before its backoff allows.
+    #[test]
+    fn an_earlier_rewind_keeps_the_later_records_delay() {
+        let mut state = Partitions::default();
+        let now = Instant::now();
+        for offset in 10..12 {
+            state.received(("t".to_owned(), 0), offset);
+        }
+        let long = now + Duration::from_secs(60);
+        assert_eq!(state.rewind("t", 0, 11, 0, long), Rewound::Seek(11));
+        assert_eq!(state.rewind("t", 0, 10, 0, now + Duration::from_secs(1)), Rewound::Seek(10));
+        let rewind = state.rewound[&("t".to_owned(), 0)];
+        assert_eq!(rewind.offset, 10);
+        assert!(rewind.due >= long, "offset 11 comes back {:?} early", long - rewind.due);
+    }
+
     /// A record received before its partition was reassigned neither commits nor
     /// rewinds.
     #[test]
