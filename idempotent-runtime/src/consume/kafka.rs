@@ -219,7 +219,8 @@ impl Partitions {
     }
 
     /// The record at `offset` is to be read again from `due` on; answers what that
-    /// asks of the partition (a rewind already pending to an earlier offset is kept).
+    /// asks of the partition (a rewind already pending to an earlier offset is kept,
+    /// and a pending rewind is due at the later of the two instants).
     fn rewind(
         &mut self,
         topic: &str,
@@ -241,9 +242,11 @@ impl Partitions {
             return Rewound::Ahead;
         }
         let rewind = self.rewound.entry(key).or_insert(Rewind { offset, due });
-        if offset <= rewind.offset {
-            *rewind = Rewind { offset, due };
-        }
+        // The partition reads both records again once it resumes, one right after
+        // the other: it waits until the later of their delays is over, so neither is
+        // retried before its own.
+        rewind.offset = rewind.offset.min(offset);
+        rewind.due = rewind.due.max(due);
         track.next = Some(rewind.offset);
         Rewound::Seek(rewind.offset)
     }
