@@ -38,6 +38,7 @@ impl Backoff {
         Backoff::exponential(Duration::from_secs(1), Duration::from_secs(5 * 60));
 
     /// Doubling from `base` at each attempt, up to `cap` (raised to `base` if lower).
+    /// A zero `base` never grows: every retry goes at once (the attribute refuses it).
     pub const fn exponential(base: Duration, cap: Duration) -> Backoff {
         let cap = if cap.as_nanos() < base.as_nanos() { base } else { cap };
         Backoff { base, cap }
