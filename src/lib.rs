@@ -306,6 +306,10 @@ pub use idempotent_runtime::{PostgresStore, postgres_store};
 #[cfg_attr(docsrs, doc(cfg(feature = "mysql")))]
 pub use idempotent_runtime::{MysqlStore, mysql_store};
 
+#[cfg(feature = "zookeeper")]
+#[cfg_attr(docsrs, doc(cfg(feature = "zookeeper")))]
+pub use idempotent_runtime::{ZooKeeperStore, zookeeper_store};
+
 #[cfg(any(feature = "postgres", feature = "mysql"))]
 #[cfg_attr(docsrs, doc(cfg(any(feature = "postgres", feature = "mysql"))))]
 pub use idempotent_runtime::guard;

@@ -78,6 +78,9 @@ pub use store::postgres::{self as postgres_store, PostgresStore};
 #[cfg(feature = "redis")]
 #[cfg_attr(docsrs, doc(cfg(feature = "redis")))]
 pub use store::redis::{self as redis_store, RedisStore};
+#[cfg(feature = "zookeeper")]
+#[cfg_attr(docsrs, doc(cfg(feature = "zookeeper")))]
+pub use store::zookeeper::{self as zookeeper_store, ZooKeeperStore};
 pub use store::{
     AlreadySet, AsStore, Claim, DefaultStore, Store, Token, Transition, claim_retention,
     default_store, set_default_store,

@@ -31,6 +31,9 @@ pub mod postgres;
 pub mod redis;
 #[cfg(any(feature = "postgres", feature = "mysql"))]
 mod sql;
+#[cfg(feature = "zookeeper")]
+#[cfg_attr(docsrs, doc(cfg(feature = "zookeeper")))]
+pub mod zookeeper;
 
 /// Identifies one claim on a key. Every transition after the claim carries it, and a
 /// store applies the transition only while the record still holds the same token, so
@@ -211,7 +214,7 @@ pub fn claim_retention(lease: Duration, ttl: Duration) -> Duration {
 
 /// `Store::abandon` for server-backed stores: starts the release on the current Tokio
 /// runtime and returns at once; without a runtime, the lease runs out instead.
-#[cfg(any(feature = "redis", feature = "postgres", feature = "mysql"))]
+#[cfg(any(feature = "redis", feature = "postgres", feature = "mysql", feature = "zookeeper"))]
 pub(crate) fn release_in_background<S: Store + Clone + 'static>(
     store: &S,
     key: &Key,

@@ -1,0 +1,729 @@
+//! [`ZooKeeperStore`]: idempotency records as znodes on a ZooKeeper ensemble.
+//!
+//! Each key is a TTL znode `{root}/{bucket}/{key in hex}` (the bucket, a container
+//! znode, is the first byte of the key's SHA-256, so no node has more than a 256th of
+//! the records as children) whose data is the record:
+//! `"<state><token> <lease ms> <keep ms> <attempts> <fingerprint> <result>"`, with
+//! state `P` (in progress), `R` (released), `D` (done) or `F` (failed), the claim's
+//! 32 hex digits or `-`, the fingerprint's 64 hex digits or `-`, and the cached result
+//! (possibly empty) after the fifth space. Times are relative to the znode's `mtime`,
+//! the time the ensemble's leader wrote it: the record exists while the leader's
+//! clock is before `mtime + keep`, and a claim's lease runs while it is before
+//! `mtime + lease`.
+//!
+//! An in-progress record has an ephemeral child `claim`, created in the same
+//! transaction (`multi`) as the record and owned by the claiming client's session.
+//! A claim holds while its lease runs *and* its child exists: when the claiming
+//! process dies, its session expires and ZooKeeper deletes the child, so another
+//! consumer takes the key over after the session timeout even if the lease is longer.
+//! A consumer whose session expired (a long pause, a partition) while it still runs
+//! the handler takes its claim back at its next renewal, unless another consumer
+//! took the key over meanwhile: then the renewal answers `LeaseLost`.
+//!
+//! Every transition is conditional on the znode's version, read just before, so a
+//! concurrent write makes it read again and decide anew; none overwrites another
+//! consumer's record. Expired records are deleted by ZooKeeper itself (TTL nodes: the
+//! server must run with `zookeeper.extendedTypesEnabled=true`), some time after they
+//! expire; until then they are treated as absent.
+
+use std::fmt::Write as _;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use async_trait::async_trait;
+use sha2::{Digest, Sha256};
+use zookeeper_client as zk;
+
+use crate::{Claim, Fingerprint, Key, Store, StoreError, Token, Transition, claim_retention};
+
+/// The parent of every record unless configured.
+pub const DEFAULT_ROOT: &str = "/idempotent";
+/// The session timeout asked of the ensemble unless configured: a dead consumer's
+/// claims are taken over this long after its last heartbeat, whatever their lease.
+pub const DEFAULT_SESSION_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// How many times a transition reads and writes again after another write came
+/// between its read and its write.
+const RACES: usize = 32;
+
+/// A [`Store`] on ZooKeeper 3.5 or later. See the [module documentation](self) for
+/// how records map onto znodes.
+///
+/// ```no_run
+/// # async fn demo() -> Result<(), idempotent_runtime::StoreError> {
+/// use idempotent_runtime::zookeeper_store::ZooKeeperStore;
+///
+/// let store = ZooKeeperStore::connect("127.0.0.1:2181").await?;
+/// # let _ = store; Ok(()) }
+/// ```
+#[derive(Clone)]
+pub struct ZooKeeperStore {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    hosts: String,
+    root: String,
+    session_timeout: Duration,
+    /// The session in use; replaced by a new one once it expires.
+    client: tokio::sync::Mutex<Option<zk::Client>>,
+    /// The leader's clock, as last seen in a write's `mtime`.
+    clock: parking_lot::Mutex<Option<(i64, Instant)>>,
+}
+
+impl ZooKeeperStore {
+    /// Connects to the ensemble at `hosts` (`"host:port,host:port"`), keeping records
+    /// under [`DEFAULT_ROOT`], with a [`DEFAULT_SESSION_TIMEOUT`] session.
+    pub async fn connect(hosts: &str) -> Result<ZooKeeperStore, StoreError> {
+        ZooKeeperStore::connect_with(hosts, DEFAULT_ROOT, DEFAULT_SESSION_TIMEOUT).await
+    }
+
+    /// Connects to the ensemble at `hosts`, keeping records under `root` (an absolute
+    /// path, created if missing), with sessions of `session_timeout` (the ensemble
+    /// bounds it to between 2 and 20 ticks). Fails if the ensemble can't be reached or
+    /// refuses TTL nodes.
+    pub async fn connect_with(
+        hosts: &str,
+        root: &str,
+        session_timeout: Duration,
+    ) -> Result<ZooKeeperStore, StoreError> {
+        if !root.starts_with('/') || root.len() < 2 || root.ends_with('/') {
+            return Err(StoreError::unavailable(format!(
+                "the ZooKeeper root must be an absolute path such as `/idempotent`, not `{root}`"
+            )));
+        }
+        let store = ZooKeeperStore {
+            inner: Arc::new(Inner {
+                hosts: hosts.to_owned(),
+                root: root.to_owned(),
+                session_timeout,
+                client: tokio::sync::Mutex::new(None),
+                clock: parking_lot::Mutex::new(None),
+            }),
+        };
+        let client = store.client().await?;
+        store.check_ttl_nodes(&client).await?;
+        Ok(store)
+    }
+
+    /// The current session, or a new one when there is none or it expired.
+    async fn client(&self) -> Result<zk::Client, StoreError> {
+        let mut held = self.inner.client.lock().await;
+        if let Some(client) = held.as_ref() {
+            if !matches!(
+                client.state(),
+                zk::SessionState::Expired | zk::SessionState::Closed | zk::SessionState::AuthFailed
+            ) {
+                return Ok(client.clone());
+            }
+        }
+        let client = zk::Client::connector()
+            .with_session_timeout(self.inner.session_timeout)
+            .with_connection_timeout(Duration::from_secs(5))
+            .connect(&self.inner.hosts)
+            .await
+            .map_err(|e| {
+                StoreError::unavailable(format!("ZooKeeper at {}: {e}", self.inner.hosts))
+            })?;
+        make_path(&client, &self.inner.root).await?;
+        *held = Some(client.clone());
+        Ok(client)
+    }
+
+    /// Creating a TTL node fails unless the server enables extended types.
+    async fn check_ttl_nodes(&self, client: &zk::Client) -> Result<(), StoreError> {
+        let path = format!("{}/ttl-check-{}", self.inner.root, Token::random());
+        let options = persistent().with_ttl(Duration::from_secs(1));
+        match client.create(&path, b"", &options).await {
+            Ok((stat, _)) => {
+                self.observe(&stat);
+                let _ = client.delete(&path, None).await;
+                Ok(())
+            }
+            Err(zk::Error::Unimplemented | zk::Error::BadArguments(_)) => {
+                Err(StoreError::Rejected(
+                    "ZooKeeper refuses TTL nodes: start the server with \
+                     -Dzookeeper.extendedTypesEnabled=true"
+                        .into(),
+                ))
+            }
+            Err(e) => Err(zk_error(e)),
+        }
+    }
+
+    /// Notes the leader's clock from a write's `mtime`.
+    fn observe(&self, stat: &zk::Stat) {
+        if !stat.is_invalid() && stat.mtime > 0 {
+            *self.inner.clock.lock() = Some((stat.mtime, Instant::now()));
+        }
+    }
+
+    /// The leader's clock now, in ms: the last write's `mtime` plus the time since
+    /// its answer came back, which is never ahead of the leader (the write happened
+    /// before its answer). Without one yet, a write to the root tells.
+    async fn now(&self, client: &zk::Client) -> Result<i64, StoreError> {
+        if let Some((mtime, at)) = *self.inner.clock.lock() {
+            return Ok(mtime.saturating_add(at.elapsed().as_millis() as i64));
+        }
+        let stat = client.set_data(&self.inner.root, b"", None).await.map_err(zk_error)?;
+        self.observe(&stat);
+        Ok(stat.mtime)
+    }
+
+    /// The record's path and its bucket's.
+    fn paths(&self, key: &Key) -> (String, String) {
+        let stored = key.stored();
+        let bucket = format!("{}/{:02x}", self.inner.root, Sha256::digest(&stored)[0]);
+        let mut path = String::with_capacity(bucket.len() + 1 + 2 * stored.len());
+        path.push_str(&bucket);
+        path.push('/');
+        for byte in stored.iter() {
+            let _ = write!(path, "{byte:02x}");
+        }
+        (path, bucket)
+    }
+
+    /// Reads the record: `None` when there is none, or it expired.
+    async fn read(
+        &self,
+        client: &zk::Client,
+        path: &str,
+    ) -> Result<Option<(Record, zk::Stat, i64)>, StoreError> {
+        let (data, stat) = match client.get_data(path).await {
+            Ok(found) => found,
+            Err(zk::Error::NoNode) => return Ok(None),
+            Err(e) => return Err(zk_error(e)),
+        };
+        let record = Record::parse(&data).ok_or_else(|| {
+            StoreError::Rejected(
+                format!("unreadable record at {path}: written by another program or version")
+                    .into(),
+            )
+        })?;
+        let now = self.now(client).await?;
+        Ok(Some((record, stat, now)))
+    }
+
+    async fn claim_with(
+        &self,
+        client: &zk::Client,
+        key: &Key,
+        token: Token,
+        lease: Duration,
+        ttl: Duration,
+        fingerprint: Option<&Fingerprint>,
+    ) -> Result<Claim, StoreError> {
+        let (path, bucket) = self.paths(key);
+        let keep = millis(claim_retention(lease, ttl));
+        let lease = millis(lease);
+        let mine = fingerprint.map(Fingerprint::to_string);
+        for _ in 0..RACES {
+            let Some((record, stat, now)) = self.read(client, &path).await? else {
+                // No record, or an expired one: take the key afresh.
+                let fresh = Record::claimed(token, lease, keep, 1, mine.clone());
+                match self.take(client, &path, None, &fresh).await {
+                    Ok(()) => return Ok(Claim::Won { token, attempt: 1 }),
+                    Err(Taken::Raced) => continue,
+                    Err(Taken::NoBucket) => match client.create(&bucket, b"", &container()).await {
+                        Ok(_) | Err(zk::Error::NodeExists) => continue,
+                        Err(e) => return Err(zk_error(e)),
+                    },
+                    Err(Taken::Failed(e)) => return Err(e),
+                }
+            };
+            let expired = now >= stat.mtime.saturating_add(record.keep);
+            if expired {
+                let fresh = Record::claimed(token, lease, keep, 1, mine.clone());
+                match self.take(client, &path, Some(&stat), &fresh).await {
+                    Ok(()) => return Ok(Claim::Won { token, attempt: 1 }),
+                    Err(Taken::Raced | Taken::NoBucket) => continue,
+                    Err(Taken::Failed(e)) => return Err(e),
+                }
+            }
+            if record.state == b'P' && record.token == Some(token) {
+                // This claim's own write, whose answer was lost and is sent again.
+                return Ok(Claim::Won { token, attempt: record.attempts });
+            }
+            if let (Some(held), Some(given)) = (&record.fingerprint, &mine) {
+                if held != given {
+                    return Ok(Claim::Mismatch);
+                }
+            }
+            match record.state {
+                b'D' if record.result.is_empty() => return Ok(Claim::Done),
+                b'D' => return Ok(Claim::Cached(record.result)),
+                b'F' => return Ok(Claim::Failed { attempts: record.attempts }),
+                _ => {}
+            }
+            let lease_until = stat.mtime.saturating_add(record.lease);
+            if record.state == b'P' && now < lease_until && stat.num_children > 0 {
+                let left = Duration::from_millis((lease_until - now) as u64);
+                return Ok(Claim::InProgress { lease_left: Some(left) });
+            }
+            // Released, or in progress under a lapsed lease or a dead session.
+            let attempt = record.attempts.saturating_add(1);
+            let keep = keep.max(stat.mtime.saturating_add(record.keep) - now);
+            let fingerprint = record.fingerprint.or(mine.clone());
+            let taken = Record::claimed(token, lease, keep, attempt, fingerprint);
+            match self.take(client, &path, Some(&stat), &taken).await {
+                Ok(()) => return Ok(Claim::Won { token, attempt }),
+                Err(Taken::Raced | Taken::NoBucket) => continue,
+                Err(Taken::Failed(e)) => return Err(e),
+            }
+        }
+        Err(StoreError::Protocol(format!("claim of {path} raced {RACES} times")))
+    }
+
+    /// Writes `record` as a claim: in one transaction, replaces the znode seen as
+    /// `seen` (or creates it), and gives it a fresh ephemeral `claim` child.
+    async fn take(
+        &self,
+        client: &zk::Client,
+        path: &str,
+        seen: Option<&zk::Stat>,
+        record: &Record,
+    ) -> Result<(), Taken> {
+        let child = format!("{path}/claim");
+        let data = record.encode();
+        let mut writer = client.new_multi_writer();
+        let options =
+            persistent().with_ttl(Duration::from_millis(node_ttl_for(record.keep) as u64));
+        let staged = (|| {
+            match seen {
+                Some(stat) => {
+                    if stat.num_children > 0 {
+                        writer.add_delete(&child, None)?;
+                    }
+                    if node_ttl(stat.ephemeral_owner) >= node_ttl_for(record.keep) {
+                        writer.add_set_data(path, &data, Some(stat.version))?;
+                    } else {
+                        // The znode would be deleted before the record expires: a
+                        // new one, with a longer TTL.
+                        writer.add_delete(path, Some(stat.version))?;
+                        writer.add_create(path, &data, &options)?;
+                    }
+                }
+                None => writer.add_create(path, &data, &options)?,
+            }
+            writer.add_create(&child, record.token_text().as_bytes(), &ephemeral())
+        })();
+        staged.map_err(|e| Taken::Failed(zk_error(e)))?;
+        match writer.commit().await {
+            Ok(results) => {
+                self.observe_results(&results);
+                Ok(())
+            }
+            Err(zk::MultiWriteError::OperationFailed { source, index }) => match source {
+                zk::Error::NodeExists | zk::Error::BadVersion | zk::Error::NotEmpty => {
+                    Err(Taken::Raced)
+                }
+                // The bucket is missing (creating the record), or the record or its
+                // child went away since it was read.
+                zk::Error::NoNode if seen.is_none() && index == 0 => Err(Taken::NoBucket),
+                zk::Error::NoNode => Err(Taken::Raced),
+                other => Err(Taken::Failed(zk_error(other))),
+            },
+            Err(zk::MultiWriteError::RequestFailed { source }) => {
+                Err(Taken::Failed(zk_error(source)))
+            }
+        }
+    }
+
+    fn observe_results(&self, results: &[zk::MultiWriteResult]) {
+        for result in results {
+            if let zk::MultiWriteResult::SetData { stat }
+            | zk::MultiWriteResult::Create { stat, .. } = result
+            {
+                self.observe(stat);
+            }
+        }
+    }
+
+    /// A token-checked transition: `change` makes the new record from the claim's,
+    /// or says the transition was already applied (its answer was lost and it is sent
+    /// again); `keep_child` keeps (or makes) the ephemeral child, for a renewal.
+    async fn transition(
+        &self,
+        key: &Key,
+        keep_child: bool,
+        change: impl Fn(&Record, &zk::Stat, i64) -> Change,
+    ) -> Result<Transition, StoreError> {
+        let client = self.client().await?;
+        let (path, _) = self.paths(key);
+        let child = format!("{path}/claim");
+        for _ in 0..RACES {
+            let Some((record, stat, now)) = self.read(&client, &path).await? else {
+                return Ok(Transition::LeaseLost);
+            };
+            if now >= stat.mtime.saturating_add(record.keep) {
+                return Ok(Transition::LeaseLost);
+            }
+            let next = match change(&record, &stat, now) {
+                Change::To(next) => next,
+                Change::Done => return Ok(Transition::Applied),
+                Change::Lost => return Ok(Transition::LeaseLost),
+            };
+            let mut writer = client.new_multi_writer();
+            let staged = (|| {
+                writer.add_set_data(&path, &next.encode(), Some(stat.version))?;
+                match (keep_child, stat.num_children > 0) {
+                    (true, false) => {
+                        writer.add_create(&child, record.token_text().as_bytes(), &ephemeral())
+                    }
+                    (false, true) => writer.add_delete(&child, None),
+                    _ => Ok(()),
+                }
+            })();
+            staged.map_err(zk_error)?;
+            match writer.commit().await {
+                Ok(results) => {
+                    self.observe_results(&results);
+                    return Ok(Transition::Applied);
+                }
+                Err(zk::MultiWriteError::OperationFailed {
+                    source: zk::Error::BadVersion | zk::Error::NoNode | zk::Error::NodeExists,
+                    ..
+                }) => continue,
+                Err(e) => return Err(zk_error(e.into())),
+            }
+        }
+        Err(StoreError::Protocol(format!("transition of {path} raced {RACES} times")))
+    }
+
+    /// Releases `token`'s claim in the background, taking its attempt back: for a
+    /// claim whose answer was lost, under which no handler ran.
+    fn give_back_in_background(&self, key: &Key, token: Token) {
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else { return };
+        let (store, key) = (self.clone(), key.clone());
+        runtime.spawn(async move {
+            if let Err(error) = store.release_with(&key, token, true).await {
+                tracing::warn!(key = %key, %error, "giving back a claim whose answer was lost failed; its lease will run out");
+            }
+        });
+    }
+
+    async fn release_with(
+        &self,
+        key: &Key,
+        token: Token,
+        take_back: bool,
+    ) -> Result<Transition, StoreError> {
+        self.transition(key, false, |record, stat, now| {
+            if !record.holds(token) {
+                return Change::Lost;
+            }
+            let left = stat.mtime.saturating_add(record.keep) - now;
+            let attempts =
+                if take_back { record.attempts.saturating_sub(1) } else { record.attempts };
+            Change::To(Record {
+                state: b'R',
+                token: None,
+                lease: 0,
+                keep: left.max(1),
+                attempts,
+                fingerprint: record.fingerprint.clone(),
+                result: Vec::new(),
+            })
+        })
+        .await
+    }
+
+    /// Records DONE or FAILED (`state`) for `ttl`.
+    async fn finish(
+        &self,
+        key: &Key,
+        token: Token,
+        state: u8,
+        ttl: Duration,
+        result: Option<&[u8]>,
+    ) -> Result<Transition, StoreError> {
+        self.transition(key, false, |record, _, _| {
+            if record.state == state && record.token == Some(token) {
+                return Change::Done;
+            }
+            if !record.holds(token) {
+                return Change::Lost;
+            }
+            Change::To(Record {
+                state,
+                token: Some(token),
+                lease: 0,
+                keep: millis(ttl),
+                attempts: record.attempts,
+                fingerprint: record.fingerprint.clone(),
+                result: result.unwrap_or_default().to_vec(),
+            })
+        })
+        .await
+    }
+}
+
+/// Why a claim's write did not go through.
+enum Taken {
+    /// Another write came between the read and this write: read again.
+    Raced,
+    /// The record's bucket does not exist yet.
+    NoBucket,
+    Failed(StoreError),
+}
+
+/// What a transition makes of the record it read.
+enum Change {
+    To(Record),
+    /// Already applied, by this same transition.
+    Done,
+    Lost,
+}
+
+/// A record, as its znode holds it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Record {
+    state: u8,
+    token: Option<Token>,
+    /// The lease, in ms from the znode's `mtime` (claims only).
+    lease: i64,
+    /// How long the record is kept, in ms from the znode's `mtime`.
+    keep: i64,
+    attempts: u32,
+    /// The fingerprint's hex digits.
+    fingerprint: Option<String>,
+    result: Vec<u8>,
+}
+
+impl Record {
+    fn claimed(
+        token: Token,
+        lease: i64,
+        keep: i64,
+        attempts: u32,
+        fingerprint: Option<String>,
+    ) -> Record {
+        Record {
+            state: b'P',
+            token: Some(token),
+            lease,
+            keep,
+            attempts,
+            fingerprint,
+            result: Vec::new(),
+        }
+    }
+
+    /// Whether this is `token`'s claim, in progress.
+    fn holds(&self, token: Token) -> bool {
+        self.state == b'P' && self.token == Some(token)
+    }
+
+    fn token_text(&self) -> String {
+        self.token.map_or_else(|| "-".to_owned(), |t| t.to_string())
+    }
+
+    fn encode(&self) -> Vec<u8> {
+        let head = format!(
+            "{}{} {} {} {} {} ",
+            self.state as char,
+            self.token_text(),
+            self.lease,
+            self.keep,
+            self.attempts,
+            self.fingerprint.as_deref().unwrap_or("-"),
+        );
+        let mut data = head.into_bytes();
+        data.extend_from_slice(&self.result);
+        data
+    }
+
+    fn parse(data: &[u8]) -> Option<Record> {
+        let (&state, rest) = data.split_first()?;
+        if !matches!(state, b'P' | b'R' | b'D' | b'F') {
+            return None;
+        }
+        let mut fields = rest.splitn(6, |&b| b == b' ');
+        let mut text = || std::str::from_utf8(fields.next()?).ok();
+        let token = match text()? {
+            "-" => None,
+            hex if hex.len() == 32 => Some(Token::from_u128(u128::from_str_radix(hex, 16).ok()?)),
+            _ => return None,
+        };
+        let lease = text()?.parse().ok()?;
+        let keep = text()?.parse().ok()?;
+        let attempts = text()?.parse().ok()?;
+        let fingerprint = match text()? {
+            "-" => None,
+            hex if hex.len() == 64 && hex.bytes().all(|b| b.is_ascii_hexdigit()) => {
+                Some(hex.to_owned())
+            }
+            _ => return None,
+        };
+        let result = fields.next()?.to_vec();
+        Some(Record { state, token, lease, keep, attempts, fingerprint, result })
+    }
+}
+
+/// The TTL a TTL znode was created with, in ms (0 for any other znode): ZooKeeper
+/// keeps it in the low bytes of `ephemeralOwner`, under the marker byte `0xFF`.
+fn node_ttl(owner: i64) -> i64 {
+    if (owner >> 56) & 0xff == 0xff { owner & 0x00ff_ffff_ffff_ffff } else { 0 }
+}
+
+/// The longest TTL a znode can have: 2^40 − 1 ms, about 34.8 years (ZooKeeper keeps it
+/// in 40 bits).
+const MAX_NODE_TTL: i64 = 0xff_ffff_ffff;
+
+/// The TTL of a znode holding a record kept `keep` ms: that, up to [`MAX_NODE_TTL`].
+/// A record kept longer is deleted about 34.8 years after its last write.
+fn node_ttl_for(keep: i64) -> i64 {
+    keep.clamp(1, MAX_NODE_TTL)
+}
+
+/// Milliseconds, capped at 100 years, at least 1.
+fn millis(d: Duration) -> i64 {
+    d.min(crate::execute::Spec::MAX_DURATION).as_millis().max(1) as i64
+}
+
+fn persistent() -> zk::CreateOptions<'static> {
+    zk::CreateMode::Persistent.with_acls(zk::Acls::anyone_all())
+}
+
+/// A bucket: ZooKeeper deletes it once its last record is gone.
+fn container() -> zk::CreateOptions<'static> {
+    zk::CreateMode::Container.with_acls(zk::Acls::anyone_all())
+}
+
+fn ephemeral() -> zk::CreateOptions<'static> {
+    zk::CreateMode::Ephemeral.with_acls(zk::Acls::anyone_all())
+}
+
+/// Creates `path` and its missing parents as persistent znodes.
+async fn make_path(client: &zk::Client, path: &str) -> Result<(), StoreError> {
+    let parents = path.match_indices('/').skip(1).map(|(at, _)| &path[..at]);
+    for node in parents.chain([path]) {
+        match client.create(node, b"", &persistent()).await {
+            Ok(_) | Err(zk::Error::NodeExists) => {}
+            Err(e) => return Err(zk_error(e)),
+        }
+    }
+    Ok(())
+}
+
+fn zk_error(error: zk::Error) -> StoreError {
+    match error {
+        zk::Error::NoAuth | zk::Error::InvalidAcl | zk::Error::BadArguments(_) => {
+            StoreError::Rejected(Box::new(error))
+        }
+        other => StoreError::unavailable(other),
+    }
+}
+
+#[async_trait]
+impl Store for ZooKeeperStore {
+    async fn claim(
+        &self,
+        key: &Key,
+        lease: Duration,
+        ttl: Duration,
+        fingerprint: Option<&Fingerprint>,
+    ) -> Result<Claim, StoreError> {
+        let client = self.client().await?;
+        let token = Token::random();
+        let answer = self.claim_with(&client, key, token, lease, ttl, fingerprint).await;
+        if let Err(error) = &answer {
+            // The claim may have been written and its answer lost: give it back.
+            if !error.is_permanent() {
+                self.give_back_in_background(key, token);
+            }
+        }
+        answer
+    }
+
+    async fn complete(
+        &self,
+        key: &Key,
+        token: Token,
+        ttl: Duration,
+        result: Option<&[u8]>,
+    ) -> Result<Transition, StoreError> {
+        self.finish(key, token, b'D', ttl, result).await
+    }
+
+    async fn release(&self, key: &Key, token: Token) -> Result<Transition, StoreError> {
+        self.release_with(key, token, false).await
+    }
+
+    async fn fail(&self, key: &Key, token: Token, ttl: Duration) -> Result<Transition, StoreError> {
+        self.finish(key, token, b'F', ttl, None).await
+    }
+
+    async fn renew(
+        &self,
+        key: &Key,
+        token: Token,
+        lease: Duration,
+        ttl: Duration,
+    ) -> Result<Transition, StoreError> {
+        let (lease, keep) = (millis(lease), millis(claim_retention(lease, ttl)));
+        self.transition(key, true, |record, stat, now| {
+            if !record.holds(token) {
+                return Change::Lost;
+            }
+            let keep = keep.max(stat.mtime.saturating_add(record.keep) - now);
+            Change::To(Record { lease, keep, ..record.clone() })
+        })
+        .await
+    }
+
+    fn abandon(&self, key: &Key, token: Token) {
+        super::release_in_background(self, key, token);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn records_read_back_as_written() {
+        let token = Token::random();
+        let fingerprint = Some("ab".repeat(32));
+        for record in [
+            Record::claimed(token, 30_000, 90_000, 3, fingerprint.clone()),
+            Record {
+                state: b'R',
+                token: None,
+                lease: 0,
+                keep: 5,
+                attempts: 2,
+                fingerprint: None,
+                result: vec![],
+            },
+            Record {
+                state: b'D',
+                token: Some(token),
+                lease: 0,
+                keep: 86_400_000,
+                attempts: 1,
+                fingerprint,
+                result: b"a cached result with spaces \0 and bytes \xff".to_vec(),
+            },
+        ] {
+            assert_eq!(Record::parse(&record.encode()), Some(record));
+        }
+        for bad in [
+            &b""[..],
+            b"X- 1 1 1 - ",
+            b"P- 1 1 1 -",
+            b"Pxyz 1 1 1 - ",
+            b"P- a 1 1 - ",
+            b"D- 1 1 1 abc ",
+        ] {
+            assert_eq!(Record::parse(bad), None, "{}", String::from_utf8_lossy(bad));
+        }
+    }
+
+    #[test]
+    fn ttl_nodes_keep_their_ttl_in_the_owner_field() {
+        assert_eq!(node_ttl(0xff00_0000_0000_0000u64 as i64 | 90_000), 90_000);
+        assert_eq!(node_ttl(0), 0, "a plain persistent node");
+        assert_eq!(node_ttl(0x0123_4567_89ab_cdef), 0, "an ephemeral node's session");
+    }
+}
