@@ -11,7 +11,7 @@
 //! clock is before `mtime + keep`, and a claim's lease runs while it is before
 //! `mtime + lease`.
 //!
-//! An in-progress record has an ephemeral child `claim`, created in the same
+//! An in-progress record has an ephemeral child named after the claim's token, created in the same
 //! transaction (`multi`) as the record and owned by the claiming client's session.
 //! A claim holds while its lease runs *and* its child exists: when the claiming
 //! process dies, its session expires and ZooKeeper deletes the child, so another
@@ -234,7 +234,7 @@ impl ZooKeeperStore {
             let expired = now >= stat.mtime.saturating_add(record.keep);
             if expired {
                 let fresh = Record::claimed(token, lease, keep, 1, mine.clone());
-                match self.take(client, &path, Some(&stat), &fresh).await {
+                match self.take(client, &path, Some((&stat, &record)), &fresh).await {
                     Ok(()) => return Ok(Claim::Won { token, attempt: 1 }),
                     Err(Taken::Raced | Taken::NoBucket) => continue,
                     Err(Taken::Failed(e)) => return Err(e),
@@ -263,9 +263,9 @@ impl ZooKeeperStore {
             // Released, or in progress under a lapsed lease or a dead session.
             let attempt = record.attempts.saturating_add(1);
             let keep = keep.max(stat.mtime.saturating_add(record.keep) - now);
-            let fingerprint = record.fingerprint.or(mine.clone());
+            let fingerprint = record.fingerprint.clone().or(mine.clone());
             let taken = Record::claimed(token, lease, keep, attempt, fingerprint);
-            match self.take(client, &path, Some(&stat), &taken).await {
+            match self.take(client, &path, Some((&stat, &record)), &taken).await {
                 Ok(()) => return Ok(Claim::Won { token, attempt }),
                 Err(Taken::Raced | Taken::NoBucket) => continue,
                 Err(Taken::Failed(e)) => return Err(e),
@@ -274,25 +274,32 @@ impl ZooKeeperStore {
         Err(StoreError::Protocol(format!("claim of {path} raced {RACES} times")))
     }
 
-    /// Writes `record` as a claim: in one transaction, replaces the znode seen as
-    /// `seen` (or creates it), and gives it a fresh ephemeral `claim` child.
+    /// Writes `record` as a claim: in one transaction, replaces the record seen
+    /// (`seen`: its znode's stat and its content), or creates it, and gives it its
+    /// ephemeral child.
+    ///
+    /// The transaction fails if anything changed since the read: the znode's version
+    /// is checked, and the earlier claim's child is deleted by name (its token), so a
+    /// znode deleted and created again since (back at version 0) does not pass for
+    /// the one that was read: its child has another name, and a znode with a child
+    /// can't be deleted.
     async fn take(
         &self,
         client: &zk::Client,
         path: &str,
-        seen: Option<&zk::Stat>,
+        seen: Option<(&zk::Stat, &Record)>,
         record: &Record,
     ) -> Result<(), Taken> {
-        let child = format!("{path}/claim");
+        let child = child_path(path, record);
         let data = record.encode();
         let mut writer = client.new_multi_writer();
         let options =
             persistent().with_ttl(Duration::from_millis(node_ttl_for(record.keep) as u64));
         let staged = (|| {
             match seen {
-                Some(stat) => {
+                Some((stat, earlier)) => {
                     if stat.num_children > 0 {
-                        writer.add_delete(&child, None)?;
+                        writer.add_delete(&child_path(path, earlier), None)?;
                     }
                     if node_ttl(stat.ephemeral_owner) >= node_ttl_for(record.keep) {
                         writer.add_set_data(path, &data, Some(stat.version))?;
@@ -350,7 +357,6 @@ impl ZooKeeperStore {
     ) -> Result<Transition, StoreError> {
         let client = self.client().await?;
         let (path, _) = self.paths(key);
-        let child = format!("{path}/claim");
         for _ in 0..RACES {
             let Some((record, stat, now)) = self.read(&client, &path).await? else {
                 return Ok(Transition::LeaseLost);
@@ -363,6 +369,7 @@ impl ZooKeeperStore {
                 Change::Done => return Ok(Transition::Applied),
                 Change::Lost => return Ok(Transition::LeaseLost),
             };
+            let child = child_path(&path, &record);
             let mut writer = client.new_multi_writer();
             let staged = (|| {
                 writer.add_set_data(&path, &next.encode(), Some(stat.version))?;
@@ -558,6 +565,11 @@ impl Record {
         let result = fields.next()?.to_vec();
         Some(Record { state, token, lease, keep, attempts, fingerprint, result })
     }
+}
+
+/// The ephemeral child of `record`'s claim: named after its token.
+fn child_path(path: &str, record: &Record) -> String {
+    format!("{path}/{}", record.token_text())
 }
 
 /// The TTL a TTL znode was created with, in ms (0 for any other znode): ZooKeeper

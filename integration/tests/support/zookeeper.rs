@@ -1,0 +1,150 @@
+//! A ZooKeeper server of the test's own (Debian's package, run with `java` directly
+//! so that killing it kills the server), on a free loopback port, with TTL nodes on,
+//! its files in a fresh directory; killed when dropped. And a TCP proxy that a test
+//! can cut, to partition a client from the server.
+#![allow(dead_code)]
+
+use std::net::TcpListener;
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+const JAR: &str = "/usr/share/java/zookeeper.jar";
+
+pub struct ZooKeeperServer {
+    child: Option<Child>,
+    dir: PathBuf,
+    pub port: u16,
+}
+
+impl ZooKeeperServer {
+    /// Starts a server with a 200 ms tick (sessions of 0.4 to 4 s); `None` outside CI
+    /// when ZooKeeper is not installed.
+    pub fn start() -> Option<ZooKeeperServer> {
+        if !std::path::Path::new(JAR).exists() {
+            assert!(std::env::var_os("CI").is_none(), "CI needs ZooKeeper ({JAR})");
+            eprintln!("skipped: ZooKeeper is not installed (apt-get install zookeeper)");
+            return None;
+        }
+        let port = TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+        let dir = std::env::temp_dir().join(format!("idempotent-zk-{port}-{}", std::process::id()));
+        std::fs::create_dir_all(dir.join("data")).unwrap();
+        let config = format!(
+            "tickTime=200\ndataDir={}\nclientPort={port}\nclientPortAddress=127.0.0.1\n\
+             admin.enableServer=false\nmaxClientCnxns=0\n4lw.commands.whitelist=ruok\n",
+            dir.join("data").display()
+        );
+        std::fs::write(dir.join("zoo.cfg"), config).unwrap();
+        let mut server = ZooKeeperServer { child: None, dir, port };
+        server.restart();
+        Some(server)
+    }
+
+    pub fn hosts(&self) -> String {
+        format!("127.0.0.1:{}", self.port)
+    }
+
+    /// Kills the server at once (`SIGKILL`), as a crash would.
+    pub fn kill(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+
+    /// Starts the server (again, on the same port and files) and waits for it.
+    pub fn restart(&mut self) {
+        self.kill();
+        let child = Command::new("java")
+            .args([
+                "-Dzookeeper.extendedTypesEnabled=true",
+                "-Dznode.container.checkIntervalMs=500",
+            ])
+            .args(["-cp", &format!("/etc/zookeeper/conf:{JAR}")])
+            .arg("org.apache.zookeeper.server.ZooKeeperServerMain")
+            .arg(self.dir.join("zoo.cfg"))
+            .current_dir(&self.dir)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        self.child = Some(child);
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            assert!(Instant::now() < deadline, "ZooKeeper did not start");
+            if ruok(self.port) {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+}
+
+/// Whether the server answers `ruok` with `imok`.
+fn ruok(port: u16) -> bool {
+    use std::io::{Read, Write};
+    let Ok(mut stream) = std::net::TcpStream::connect(("127.0.0.1", port)) else { return false };
+    let _ = stream.set_read_timeout(Some(Duration::from_secs(1)));
+    if stream.write_all(b"ruok").is_err() {
+        return false;
+    }
+    let mut answer = String::new();
+    let _ = stream.read_to_string(&mut answer);
+    answer == "imok"
+}
+
+impl Drop for ZooKeeperServer {
+    fn drop(&mut self) {
+        self.kill();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// A TCP proxy to `target` on a free loopback port. [`cut`](Proxy::cut) closes every
+/// connection through it and refuses new ones until [`restore`](Proxy::restore).
+pub struct Proxy {
+    pub address: String,
+    cut: Arc<AtomicBool>,
+    generation: tokio::sync::watch::Sender<u64>,
+}
+
+impl Proxy {
+    pub async fn start(target: String) -> Proxy {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let address = listener.local_addr().unwrap().to_string();
+        let cut = Arc::new(AtomicBool::new(false));
+        let (generation, _) = tokio::sync::watch::channel(0u64);
+        let (is_cut, cuts) = (cut.clone(), generation.clone());
+        tokio::spawn(async move {
+            loop {
+                let Ok((mut inbound, _)) = listener.accept().await else { return };
+                if is_cut.load(Ordering::SeqCst) {
+                    continue;
+                }
+                let mut watch = cuts.subscribe();
+                let target = target.clone();
+                tokio::spawn(async move {
+                    let Ok(mut outbound) = tokio::net::TcpStream::connect(&target).await else {
+                        return;
+                    };
+                    tokio::select! {
+                        _ = tokio::io::copy_bidirectional(&mut inbound, &mut outbound) => {}
+                        _ = watch.changed() => {}
+                    }
+                });
+            }
+        });
+        Proxy { address, cut, generation }
+    }
+
+    pub fn cut(&self) {
+        self.cut.store(true, Ordering::SeqCst);
+        self.generation.send_modify(|g| *g += 1);
+    }
+
+    pub fn restore(&self) {
+        self.cut.store(false, Ordering::SeqCst);
+    }
+}
