@@ -116,6 +116,7 @@
 //! | `RedisStore` | `redis` (`redis-tls` for `rediss://`) | consumers on several machines; standalone Redis or Redis Cluster; a claim is one `SET NX GET` (plus a script when it finds another claim in progress), the other transitions one atomic script each |
 //! | `PostgresStore` | `postgres` | records beside the business data: with `transactional`, the handler's writes and DONE commit in one transaction (an exactly-once effect) |
 //! | `MysqlStore` | `mysql` | the same on MySQL 8 or MariaDB 10.6+, `transactional` included; a claim is one `INSERT ... ON DUPLICATE KEY UPDATE` |
+//! | `ZooKeeperStore` | `zookeeper` | consumers that already run beside a ZooKeeper ensemble (3.5+, TTL nodes on): records are TTL znodes, a claim is tied to the consumer's session as well as its lease, so a dead consumer's keys are taken over after the session timeout; thousands of messages per second, not tens of thousands |
 //! | [`NoStore`] | (none) | handlers guarded by the business state itself (a state machine, a unique constraint, a version column; `idempotent::guard` has both for PostgreSQL and MySQL): keeps nothing, every call runs, the attempt is the broker's delivery count |
 //! | your own | (none) | implement [`Store`] and run the behaviour suite (`store_suite!`, feature `testing`) |
 //!
