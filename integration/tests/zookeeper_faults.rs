@@ -203,3 +203,73 @@ fn two_consumers_racing_over_a_thousand_keys_apply_each_once() {
 }
 
 use futures_util::StreamExt as _;
+
+/// A claim taken with a short retention, then completed (or failed) with a longer
+/// `ttl`: the record must last that `ttl`, so ZooKeeper must not reap its znode at the
+/// end of the claim's retention. The test server reaps every 500 ms.
+#[test]
+fn a_finish_with_a_longer_ttl_than_the_claim_outlives_the_claims_retention() {
+    use idempotent::{Claim, Key, Store as _, Transition};
+    let Some(server) = ZooKeeperServer::start() else { return };
+    block_on(async {
+        let store =
+            ZooKeeperStore::connect_with(&server.hosts(), "/finish", Duration::from_secs(4))
+                .await
+                .unwrap();
+        let short = Duration::from_millis(500);
+        let (done, failed) =
+            (Key::new("apply", "done").unwrap(), Key::new("apply", "failed").unwrap());
+        // Retention: 0.5 s + 0.5 s; the records are then kept a minute.
+        let Claim::Won { token, .. } = store.claim(&done, short, short, None).await.unwrap() else {
+            panic!("not won")
+        };
+        let minute = Duration::from_secs(60);
+        assert_eq!(store.complete(&done, token, minute, None).await.unwrap(), Transition::Applied);
+        let Claim::Won { token, .. } = store.claim(&failed, short, short, None).await.unwrap()
+        else {
+            panic!("not won")
+        };
+        assert_eq!(store.fail(&failed, token, minute).await.unwrap(), Transition::Applied);
+        tokio::time::sleep(Duration::from_secs(3)).await;
+        let again = store.claim(&done, short, minute, None).await.unwrap();
+        assert!(matches!(again, Claim::Done), "a DONE record kept a minute was lost: {again:?}");
+        let again = store.claim(&failed, short, minute, None).await.unwrap();
+        assert!(
+            matches!(again, Claim::Failed { attempts: 1 }),
+            "a FAILED record kept a minute was lost: {again:?}"
+        );
+    });
+}
+
+/// A claim renewed with a longer lease keeps its record (and its attempt count) for
+/// the renewal's retention even when its consumer dies: the next consumer's claim is
+/// attempt 2, not a fresh attempt 1 after ZooKeeper reaped the znode at the end of
+/// the first claim's retention.
+#[test]
+fn a_renewal_with_a_longer_lease_keeps_the_attempt_count_after_its_owner_died() {
+    use idempotent::{Claim, Key, Store as _, Transition};
+    let Some(server) = ZooKeeperServer::start() else { return };
+    block_on(async {
+        let session = Duration::from_millis(800);
+        let other = ZooKeeperStore::connect_with(&server.hosts(), "/renew", session).await.unwrap();
+        let key = Key::new("apply", "renewed").unwrap();
+        let short = Duration::from_millis(500);
+        {
+            let dying =
+                ZooKeeperStore::connect_with(&server.hosts(), "/renew", session).await.unwrap();
+            let Claim::Won { token, .. } = dying.claim(&key, short, short, None).await.unwrap()
+            else {
+                panic!("not won")
+            };
+            // Now kept 30 s + 0.5 s from the renewal.
+            let renewed = dying.renew(&key, token, Duration::from_secs(30), short).await.unwrap();
+            assert_eq!(renewed, Transition::Applied);
+        } // Its session is never heard from again and expires.
+        tokio::time::sleep(Duration::from_secs(4)).await;
+        let next = other.claim(&key, short, short, None).await.unwrap();
+        assert!(
+            matches!(next, Claim::Won { attempt: 2, .. }),
+            "the dead consumer's attempt was forgotten: {next:?}"
+        );
+    });
+}

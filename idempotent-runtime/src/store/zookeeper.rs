@@ -370,16 +370,32 @@ impl ZooKeeperStore {
                 Change::Lost => return Ok(Transition::LeaseLost),
             };
             let child = child_path(&path, &record);
+            let data = next.encode();
             let mut writer = client.new_multi_writer();
             let staged = (|| {
-                writer.add_set_data(&path, &next.encode(), Some(stat.version))?;
-                match (keep_child, stat.num_children > 0) {
-                    (true, false) => {
-                        writer.add_create(&child, record.token_text().as_bytes(), &ephemeral())
-                    }
-                    (false, true) => writer.add_delete(&child, None),
-                    _ => Ok(()),
+                if node_ttl(stat.ephemeral_owner) >= node_ttl_for(next.keep) {
+                    writer.add_set_data(&path, &data, Some(stat.version))?;
+                    return match (keep_child, stat.num_children > 0) {
+                        (true, false) => {
+                            writer.add_create(&child, record.token_text().as_bytes(), &ephemeral())
+                        }
+                        (false, true) => writer.add_delete(&child, None),
+                        _ => Ok(()),
+                    };
                 }
+                // The znode would be reaped before the record expires (a longer `ttl`
+                // or lease than the claim's): a new one, with a longer TTL.
+                if stat.num_children > 0 {
+                    writer.add_delete(&child, None)?;
+                }
+                writer.add_delete(&path, Some(stat.version))?;
+                let options =
+                    persistent().with_ttl(Duration::from_millis(node_ttl_for(next.keep) as u64));
+                writer.add_create(&path, &data, &options)?;
+                if keep_child {
+                    writer.add_create(&child, record.token_text().as_bytes(), &ephemeral())?;
+                }
+                Ok(())
             })();
             staged.map_err(zk_error)?;
             match writer.commit().await {
@@ -388,7 +404,11 @@ impl ZooKeeperStore {
                     return Ok(Transition::Applied);
                 }
                 Err(zk::MultiWriteError::OperationFailed {
-                    source: zk::Error::BadVersion | zk::Error::NoNode | zk::Error::NodeExists,
+                    source:
+                        zk::Error::BadVersion
+                        | zk::Error::NoNode
+                        | zk::Error::NodeExists
+                        | zk::Error::NotEmpty,
                     ..
                 }) => continue,
                 Err(e) => return Err(zk_error(e.into())),
