@@ -602,10 +602,18 @@ fn node_ttl(owner: i64) -> i64 {
 /// in 40 bits).
 const MAX_NODE_TTL: i64 = 0xff_ffff_ffff;
 
-/// The TTL of a znode holding a record kept `keep` ms: that, up to [`MAX_NODE_TTL`].
-/// A record kept longer is deleted about 34.8 years after its last write.
+/// How much longer than its record a znode is kept. ZooKeeper's reaper deletes a TTL
+/// znode without checking it again (only that it has no children) some time after
+/// deciding to, and this store's clock runs a little behind the leader's: without
+/// the margin, a record written just as its predecessor expired could be reaped with
+/// it.
+const NODE_TTL_MARGIN: i64 = 60_000;
+
+/// The TTL of a znode holding a record kept `keep` ms: that plus [`NODE_TTL_MARGIN`],
+/// up to [`MAX_NODE_TTL`]. A record kept longer is deleted about 34.8 years after its
+/// last write.
 fn node_ttl_for(keep: i64) -> i64 {
-    keep.clamp(1, MAX_NODE_TTL)
+    keep.saturating_add(NODE_TTL_MARGIN).clamp(1, MAX_NODE_TTL)
 }
 
 /// Milliseconds, capped at 100 years, at least 1.
