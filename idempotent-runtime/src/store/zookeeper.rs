@@ -290,29 +290,23 @@ impl ZooKeeperStore {
         seen: Option<(&zk::Stat, &Record)>,
         record: &Record,
     ) -> Result<(), Taken> {
-        let child = child_path(path, record);
         let data = record.encode();
         let mut writer = client.new_multi_writer();
-        let options =
-            persistent().with_ttl(Duration::from_millis(node_ttl_for(record.keep) as u64));
         let staged = (|| {
             match seen {
                 Some((stat, earlier)) => {
                     if stat.num_children > 0 {
                         writer.add_delete(&child_path(path, earlier), None)?;
                     }
-                    if node_ttl(stat.ephemeral_owner) >= node_ttl_for(record.keep) {
-                        writer.add_set_data(path, &data, Some(stat.version))?;
-                    } else {
-                        // The znode would be deleted before the record expires: a
-                        // new one, with a longer TTL.
-                        writer.add_delete(path, Some(stat.version))?;
-                        writer.add_create(path, &data, &options)?;
-                    }
+                    stage_write(&mut writer, path, stat, &data, record.keep)?;
                 }
-                None => writer.add_create(path, &data, &options)?,
+                None => writer.add_create(path, &data, &ttl_node(record.keep))?,
             }
-            writer.add_create(&child, record.token_text().as_bytes(), &ephemeral())
+            writer.add_create(
+                &child_path(path, record),
+                record.token_text().as_bytes(),
+                &ephemeral(),
+            )
         })();
         staged.map_err(|e| Taken::Failed(zk_error(e)))?;
         match writer.commit().await {
@@ -370,29 +364,16 @@ impl ZooKeeperStore {
                 Change::Lost => return Ok(Transition::LeaseLost),
             };
             let child = child_path(&path, &record);
-            let data = next.encode();
+            // A znode replaced for a longer TTL comes without the child.
+            let replaced = node_ttl(stat.ephemeral_owner) < node_ttl_for(next.keep);
+            let had_child = stat.num_children > 0;
             let mut writer = client.new_multi_writer();
             let staged = (|| {
-                if node_ttl(stat.ephemeral_owner) >= node_ttl_for(next.keep) {
-                    writer.add_set_data(&path, &data, Some(stat.version))?;
-                    return match (keep_child, stat.num_children > 0) {
-                        (true, false) => {
-                            writer.add_create(&child, record.token_text().as_bytes(), &ephemeral())
-                        }
-                        (false, true) => writer.add_delete(&child, None),
-                        _ => Ok(()),
-                    };
-                }
-                // The znode would be reaped before the record expires (a longer `ttl`
-                // or lease than the claim's): a new one, with a longer TTL.
-                if stat.num_children > 0 {
+                if had_child && (replaced || !keep_child) {
                     writer.add_delete(&child, None)?;
                 }
-                writer.add_delete(&path, Some(stat.version))?;
-                let options =
-                    persistent().with_ttl(Duration::from_millis(node_ttl_for(next.keep) as u64));
-                writer.add_create(&path, &data, &options)?;
-                if keep_child {
+                stage_write(&mut writer, &path, &stat, &next.encode(), next.keep)?;
+                if keep_child && (replaced || !had_child) {
                     writer.add_create(&child, record.token_text().as_bytes(), &ephemeral())?;
                 }
                 Ok(())
@@ -585,6 +566,30 @@ impl Record {
         let result = fields.next()?.to_vec();
         Some(Record { state, token, lease, keep, attempts, fingerprint, result })
     }
+}
+
+/// Stages writing `data`, a record kept `keep` ms, over the znode read as `stat`: a
+/// set checked against its version, or, when the znode's TTL would end before the
+/// record, a delete checked the same way and a create with a longer TTL. The znode
+/// must have no child left by then.
+fn stage_write(
+    writer: &mut zk::MultiWriter<'_>,
+    path: &str,
+    stat: &zk::Stat,
+    data: &[u8],
+    keep: i64,
+) -> Result<(), zk::Error> {
+    if node_ttl(stat.ephemeral_owner) >= node_ttl_for(keep) {
+        writer.add_set_data(path, data, Some(stat.version))
+    } else {
+        writer.add_delete(path, Some(stat.version))?;
+        writer.add_create(path, data, &ttl_node(keep))
+    }
+}
+
+/// A persistent znode holding a record kept `keep` ms.
+fn ttl_node(keep: i64) -> zk::CreateOptions<'static> {
+    persistent().with_ttl(Duration::from_millis(node_ttl_for(keep) as u64))
 }
 
 /// The ephemeral child of `record`'s claim: named after its token.
