@@ -10,31 +10,8 @@ use futures_util::future::Either;
 use futures_util::stream::{FuturesUnordered, Stream, StreamExt as _};
 use tokio::time::Instant;
 
+use super::{Answer, deadline_after};
 use crate::{Disposition, DispositionExt};
-
-/// What a handler call answered: how to settle its delivery.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) struct Answer {
-    pub(crate) disposition: Disposition,
-    /// For a Retry: how long the delivery should wait, when the result says.
-    pub(crate) retry_delay: Option<Duration>,
-    in_progress: bool,
-}
-
-impl Answer {
-    pub(crate) fn of(result: &impl DispositionExt) -> Answer {
-        Answer {
-            disposition: result.disposition(),
-            retry_delay: result.retry_delay(),
-            in_progress: result.is_in_progress(),
-        }
-    }
-
-    /// For a Retry: the result's delay, else `default`.
-    pub(crate) fn delay_or(&self, default: Duration) -> Duration {
-        self.retry_delay.unwrap_or(default)
-    }
-}
 
 /// Reads deliveries from `deliveries` while fewer than `concurrency` are in hand,
 /// starts `call` on each, and settles each with `settle` once its call returns; calls
@@ -155,10 +132,7 @@ where
                 Step::Called { seq, delivery, answer, again } => {
                     calls.running.remove(&seq);
                     if answer.in_progress && !again && concurrency > 1 && failed.is_none() {
-                        // A patience too long to count is no limit.
-                        let until = Instant::now()
-                            .checked_add(patience)
-                            .unwrap_or_else(|| Instant::now() + Duration::from_secs(86_400 * 365));
+                        let until = deadline_after(patience);
                         waiting.push(Waiting { after: calls.started, until, first: answer, delivery });
                     } else {
                         work.push(finish(delivery, answer));

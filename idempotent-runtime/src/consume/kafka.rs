@@ -16,7 +16,8 @@ use rdkafka::{ClientContext, Offset, Timestamp, TopicPartitionList};
 use tokio::time::Instant;
 
 use super::DEFAULT_CONCURRENCY;
-use super::concurrent::{Answer, settle_concurrently};
+use super::concurrent::settle_concurrently;
+use super::{Answer, deadline_after};
 use crate::{Disposition, DispositionExt, Payload, PayloadRef};
 
 /// One record from a partition.
@@ -565,12 +566,8 @@ impl KafkaConsumer {
         match answer.disposition {
             Disposition::Ack => self.settled(&held),
             Disposition::Retry => {
-                let delay = answer.delay_or(self.retry_delay);
-                // A delay too long to count waits a year (the partition is polled,
-                // so the group keeps it).
-                let due = Instant::now()
-                    .checked_add(delay)
-                    .unwrap_or_else(|| Instant::now() + Duration::from_secs(365 * 86_400));
+                // The partition is polled meanwhile, so the group keeps it.
+                let due = deadline_after(answer.delay_or(self.retry_delay));
                 // A record of an earlier assignment pauses nothing: the partition is
                 // another assignment's now (maybe this member's again), and with no
                 // retry of its own pending nothing would resume it. Nor does one the

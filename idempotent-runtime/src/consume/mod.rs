@@ -11,6 +11,12 @@
 #[cfg(any(feature = "rabbitmq", feature = "nats", feature = "kafka"))]
 mod concurrent;
 
+use std::time::Duration;
+
+use tokio::time::Instant;
+
+use crate::{Disposition, DispositionExt};
+
 /// How many deliveries a consumer handles at once unless told otherwise (each
 /// consumer's `concurrency`).
 pub const DEFAULT_CONCURRENCY: usize = 32;
@@ -27,3 +33,34 @@ pub mod rabbitmq;
 #[cfg(feature = "redis-streams")]
 #[cfg_attr(docsrs, doc(cfg(feature = "redis-streams")))]
 pub mod redis_streams;
+
+/// What a handler call answered: how to settle its delivery.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Answer {
+    pub(crate) disposition: Disposition,
+    /// For a Retry: how long the delivery should wait, when the result says.
+    pub(crate) retry_delay: Option<Duration>,
+    in_progress: bool,
+}
+
+impl Answer {
+    pub(crate) fn of(result: &impl DispositionExt) -> Answer {
+        Answer {
+            disposition: result.disposition(),
+            retry_delay: result.retry_delay(),
+            in_progress: result.is_in_progress(),
+        }
+    }
+
+    /// For a Retry: the result's delay, else `default`.
+    pub(crate) fn delay_or(&self, default: Duration) -> Duration {
+        self.retry_delay.unwrap_or(default)
+    }
+}
+
+/// The instant `delay` from now; a delay too long to count waits a year (a deadline
+/// that is renewed, or a retry that no one waits that long for, in practice).
+pub(crate) fn deadline_after(delay: Duration) -> Instant {
+    let now = Instant::now();
+    now.checked_add(delay).unwrap_or_else(|| now + Duration::from_secs(365 * 86_400))
+}

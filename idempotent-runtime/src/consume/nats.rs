@@ -13,8 +13,9 @@ use async_nats::jetstream::{self, AckKind};
 use bytes::Bytes;
 use futures_util::StreamExt as _;
 
+use super::Answer;
 use super::DEFAULT_CONCURRENCY;
-use super::concurrent::{Answer, settle_concurrently};
+use super::concurrent::settle_concurrently;
 use crate::delivery::with_delivery_count;
 use crate::execute::Spec;
 use crate::{Disposition, DispositionExt, Payload, PayloadRef};

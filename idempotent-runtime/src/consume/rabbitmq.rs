@@ -10,8 +10,9 @@ use lapin::options::{
 use lapin::types::{AMQPValue, FieldTable};
 use lapin::{BasicProperties, Channel, ExchangeKind};
 
+use super::Answer;
 use super::DEFAULT_CONCURRENCY;
-use super::concurrent::{Answer, settle_concurrently};
+use super::concurrent::settle_concurrently;
 use crate::delivery::with_delivery_count;
 use crate::publish::rabbitmq::{confirmed, name, refused};
 use crate::{Disposition, DispositionExt, Payload, PayloadRef};

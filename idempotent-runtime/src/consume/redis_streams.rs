@@ -8,6 +8,7 @@ use redis::aio::ConnectionManager;
 use redis::{RedisResult, Value};
 use tokio::time::Instant;
 
+use super::{Answer, deadline_after};
 use crate::delivery::with_delivery_count;
 use crate::{Disposition, DispositionExt, Payload, PayloadRef};
 
@@ -310,32 +311,31 @@ impl StreamConsumer {
                 // Met another delivery of the same key, most likely in this batch;
                 // those have settled now, so one more try tells.
                 let (busy, done): (Vec<_>, Vec<_>) =
-                    settled.into_iter().partition(|s| s.in_progress);
+                    settled.into_iter().partition(|s| s.answer.in_progress);
                 settled = done;
                 for mut busy in busy {
                     let count = busy.entry.deliveries();
                     let result =
                         with_delivery_count(count, handler(self.message(busy.entry.clone()))).await;
-                    busy.disposition = result.disposition();
-                    busy.retry_delay = result.retry_delay();
+                    busy.answer = Answer::of(&result);
                     settled.push(busy);
                 }
             }
             // The entries left for retry are kept back for their delay even when
             // an ack or a dead letter below fails, and the poll answers that error.
-            let retried: Vec<(String, Option<Duration>)> = (settled.iter())
-                .filter(|s| s.disposition == Disposition::Retry)
-                .map(|s| (s.entry.id.clone(), s.retry_delay))
+            let retried: Vec<(String, Duration)> = (settled.iter())
+                .filter(|s| s.answer.disposition == Disposition::Retry)
+                .map(|s| (s.entry.id.clone(), s.answer.delay_or(self.reclaim_idle)))
                 .collect();
             let settling = async {
                 let acked: Vec<String> = (settled.iter())
-                    .filter(|s| s.disposition == Disposition::Ack)
+                    .filter(|s| s.answer.disposition == Disposition::Ack)
                     .map(|s| s.entry.id.clone())
                     .collect();
                 self.ack(&acked).await?;
                 polled.acked = acked;
-                for Settled { entry, disposition, .. } in settled {
-                    match disposition {
+                for Settled { entry, answer } in settled {
+                    match answer.disposition {
                         Disposition::Ack => {}
                         Disposition::Retry => polled.retried.push(entry.id),
                         Disposition::DeadLetter => {
@@ -390,12 +390,7 @@ impl StreamConsumer {
             let call = with_delivery_count(count, handler(self.message(entry.clone())));
             async move {
                 let result = call.await;
-                Settled {
-                    entry,
-                    disposition: result.disposition(),
-                    retry_delay: result.retry_delay(),
-                    in_progress: result.is_in_progress(),
-                }
+                Settled { entry, answer: Answer::of(&result) }
             }
         });
         futures_util::stream::iter(calls).buffer_unordered(self.concurrency).collect().await
@@ -491,22 +486,18 @@ impl StreamConsumer {
         Ok(())
     }
 
-    /// Keeps entries left for retry pending until their delay is over (the reclaim
-    /// idle time for those whose result gave none).
-    async fn defer(&self, retried: Vec<(String, Option<Duration>)>) -> RedisResult<()> {
+    /// Keeps entries left for retry pending until their delay is over.
+    async fn defer(&self, retried: Vec<(String, Duration)>) -> RedisResult<()> {
         if retried.is_empty() {
             return Ok(());
         }
-        let now = Instant::now();
         if let Ok(mut deferred) = self.deferred.lock() {
             for (id, delay) in retried {
                 // An entry reclaimed early (its consumer polled too seldom to keep it
                 // touched) and retried again waits its new delay only.
                 deferred.entries.retain(|(held, _)| *held != id);
-                let delay = delay.unwrap_or(self.reclaim_idle);
-                // A delay too long to count: a year, renewed by touches meanwhile.
-                let due = now.checked_add(delay).unwrap_or(now + Duration::from_secs(365 * 86_400));
-                deferred.entries.push((id, due));
+                // Touched meanwhile, however long the delay.
+                deferred.entries.push((id, deadline_after(delay)));
             }
         }
         self.tend_deferred(true).await
@@ -599,9 +590,7 @@ impl StreamConsumer {
 /// An entry whose handler call has returned.
 struct Settled {
     entry: Entry,
-    disposition: Disposition,
-    retry_delay: Option<Duration>,
-    in_progress: bool,
+    answer: Answer,
 }
 
 /// A stream entry as read: its id and its fields, exactly as Redis holds them.
