@@ -330,24 +330,7 @@ pub use idempotent_runtime::guard;
         feature = "kafka"
     )))
 )]
-pub use idempotent_runtime::consume;
-
-#[cfg(any(
-    feature = "redis-streams",
-    feature = "rabbitmq",
-    feature = "nats",
-    feature = "kafka"
-))]
-#[cfg_attr(
-    docsrs,
-    doc(cfg(any(
-        feature = "redis-streams",
-        feature = "rabbitmq",
-        feature = "nats",
-        feature = "kafka"
-    )))
-)]
-pub use idempotent_runtime::publish;
+pub use idempotent_runtime::{consume, publish};
 
 /// What the `#[idempotent]` expansion calls. Not a public API: it changes without
 /// notice, which is why the macro crate is pinned to this exact version.
