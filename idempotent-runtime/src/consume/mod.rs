@@ -1,7 +1,7 @@
 //! Broker consumer loops that ack a delivery only after its outcome is recorded.
 //!
 //! Each loop reads deliveries, hands each to a handler (usually an `#[idempotent]`
-//! function), and settles it by the result's [`Disposition`](crate::Disposition):
+//! function), and settles it by the result's [`Disposition`]:
 //! `Ack` acks (commits), `Retry` leaves it for redelivery, `DeadLetter` moves it to the
 //! broker's dead-letter destination. Because the handler's future resolves only after
 //! the store recorded DONE or FAILED, no delivery is acked before its record is
