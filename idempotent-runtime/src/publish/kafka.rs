@@ -28,7 +28,7 @@ pub const MESSAGE_ID_HEADER: &str = "message-id";
 /// config.set("bootstrap.servers", "127.0.0.1:9092");
 /// let publisher = KafkaPublisher::create(&config)?;
 /// let sent = publisher.send("orders", Some(b"42"), br#"{"order_id":42}"#, None).await?;
-/// println!("{} at {}/{}", sent.id, sent.partition, sent.offset);
+/// assert!(sent.offset >= 0, "stored at {}/{}", sent.partition, sent.offset);
 /// # Ok(()) }
 /// ```
 pub struct KafkaPublisher {

@@ -22,7 +22,7 @@ pub const MESSAGE_ID_HEADER: &str = "Nats-Msg-Id";
 ///
 /// let publisher = NatsPublisher::new(async_nats::jetstream::new(client));
 /// let sent = publisher.publish("orders.placed", r#"{"order_id":42}"#.into(), None).await?;
-/// println!("stored as {} at {}", sent.id, sent.sequence);
+/// assert!(!sent.duplicate, "stored once, at sequence {}", sent.sequence);
 /// # Ok(()) }
 /// ```
 pub struct NatsPublisher {

@@ -19,7 +19,7 @@ use lapin::{BasicProperties, Channel, Confirmation};
 ///
 /// let publisher = RabbitPublisher::new(&channel).await?;
 /// let id = publisher.publish("", "orders", br#"{"order_id":42}"#, Default::default()).await?;
-/// println!("stored as {id}");
+/// assert!(!id.is_empty(), "stored under its message id");
 /// # Ok(()) }
 /// ```
 pub struct RabbitPublisher {

@@ -27,7 +27,7 @@ pub struct Published {
 /// use idempotent_runtime::publish::redis_streams::publish;
 ///
 /// let added = publish(&mut conn, "orders", &[("payload", br#"{"order_id":42}"#)], None).await?;
-/// println!("{} as {}", added.id, added.entry_id);
+/// assert_ne!(added.id, added.entry_id, "the message id is ours, the entry id Redis's");
 /// # Ok(()) }
 /// ```
 pub async fn publish<C: ConnectionLike>(
