@@ -11,6 +11,8 @@ use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::time::Duration;
 
+#[path = "support/cancel.rs"]
+mod cancel;
 #[path = "support/postgres.rs"]
 mod postgres;
 
@@ -433,6 +435,48 @@ async fn a_lost_claim_rolls_the_business_write_back() {
     let err = debit(&msg, &bank).await.unwrap_err();
     assert!(matches!(err, Error::LeaseLost { attempt: 1, .. }), "{err:?}");
     assert_eq!((bank.rows(6).await, bank.state(6).await.as_deref()), (0, Some("P")));
+    bank.drop_tables().await;
+}
+
+/// A call dropped at any of its awaits (a consumer's deadline, a shutdown) gives its
+/// connection back to the pool outside any transaction: one dropped while the
+/// handler's transaction was beginning would otherwise leave the session "idle in
+/// transaction" unbeknown to the pool, and the next autocommit claim on that
+/// connection would hold its row lock, uncommitted, for as long as it stays pooled.
+#[tokio::test]
+async fn a_call_dropped_at_any_await_leaves_no_transaction_open() {
+    a_call_dropped_at_any_await_leaves_no_transaction_open_with(TransactionalClaim::Committed)
+        .await;
+}
+
+#[tokio::test]
+async fn a_call_dropped_at_any_await_leaves_no_transaction_open_claimed_in_the_transaction() {
+    let claim = TransactionalClaim::InTransaction;
+    a_call_dropped_at_any_await_leaves_no_transaction_open_with(claim).await;
+}
+
+async fn a_call_dropped_at_any_await_leaves_no_transaction_open_with(claim: TransactionalClaim) {
+    // One connection, so the check below gets the one the dropped call used.
+    let Some(bank) = Bank::open_with(1, claim).await else { return };
+    let mut finished = false;
+    for pending in 1..=40 {
+        let msg = debit_of(1_000 + pending);
+        if cancel::drop_after_pending(debit(&msg, &bank), pending as usize).await.is_some() {
+            finished = true;
+            break;
+        }
+        // The first statement of a transaction starts it: an older transaction start
+        // means the session was left in one. (One simple-protocol message, so the
+        // two times are equal in a transaction of its own.)
+        let check = "SELECT transaction_timestamp() <> statement_timestamp()";
+        let row = sqlx::raw_sql(check).fetch_one(bank.store.pool()).await.unwrap();
+        let open: bool = sqlx::Row::get(&row, 0);
+        assert!(!open, "dropped after {pending} awaits: the pooled connection is in a transaction");
+        let outcome = deliver_until_settled(&bank, &msg).await.unwrap();
+        assert!(matches!(outcome, Outcome::Processed(_) | Outcome::Replayed(_)), "{outcome:?}");
+        assert_eq!(bank.rows(msg.id).await, 1, "message {}", msg.id);
+    }
+    assert!(finished, "a call took more than 40 awaits");
     bank.drop_tables().await;
 }
 

@@ -25,7 +25,7 @@ use std::future::Future;
 use std::ops::{Deref, DerefMut};
 use std::sync::{Arc, Mutex, PoisonError};
 
-use sqlx::{Database, Transaction};
+use sqlx::{Database, SqlSafeStr, Transaction};
 
 use crate::alert::TerminalEvent;
 use crate::execute::{Call, Completed, Discarded, ResultCache, Spec};
@@ -262,15 +262,25 @@ impl<DB: Database> Drop for LentTx<'_, DB> {
     }
 }
 
-/// Begins the handler's transaction with `begin`, giving up after a third of the
-/// lease (the renewal period; renewal is not running yet). A dropped or failed begin
-/// drops the connection, which the pool rolls back.
+/// Begins the handler's transaction on `conn` with `statement`, giving up after a
+/// third of the lease (the renewal period; renewal is not running yet).
+///
+/// The begin runs as a task of its own, so it always finishes: sqlx counts a
+/// transaction as open only once the server has answered its `BEGIN`, so a begin
+/// dropped halfway (a consumer's deadline, a shutdown, this function's own timeout)
+/// would give the connection back to the pool inside a transaction that nothing will
+/// roll back, and the next autocommit statement on it would hold its locks,
+/// uncommitted, while it stays pooled. A transaction that begins after nobody waits
+/// for it is dropped, which rolls it back before the connection is pooled again.
 pub(crate) async fn begin_within<DB: Database>(
-    begin: impl Future<Output = Result<Transaction<'static, DB>, sqlx::Error>>,
+    conn: sqlx::pool::PoolConnection<DB>,
+    statement: &'static str,
     spec: &Spec,
 ) -> Result<Transaction<'static, DB>, StoreError> {
+    let begin = tokio::spawn(Transaction::begin(conn, Some(statement.into_sql_str())));
     match crate::execute::within(tokio::time::Instant::now() + spec.lease() / 3, begin).await {
-        Some(tx) => tx.map_err(StoreError::unavailable),
+        Some(Ok(tx)) => tx.map_err(StoreError::unavailable),
+        Some(Err(join)) => Err(StoreError::unavailable(join)),
         None => Err(StoreError::unavailable(format!(
             "the handler's transaction did not begin within {:?} (a third of the lease)",
             spec.lease() / 3

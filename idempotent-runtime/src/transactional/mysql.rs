@@ -4,7 +4,7 @@ use std::fmt::Display;
 use std::future::Future;
 
 use sqlx::pool::PoolConnection;
-use sqlx::{MySql, SqlSafeStr, Transaction};
+use sqlx::{MySql, Transaction};
 
 use super::{
     Transactional, TransactionalClaim, TxSlot, begin_within, commit_if_recorded, retake, rollback,
@@ -163,7 +163,6 @@ async fn begin_read_committed(
     conn: PoolConnection<MySql>,
     spec: &Spec,
 ) -> Result<Transaction<'static, MySql>, StoreError> {
-    let statement =
-        "SET TRANSACTION ISOLATION LEVEL READ COMMITTED; START TRANSACTION".into_sql_str();
-    begin_within(Transaction::begin(conn, Some(statement)), spec).await
+    begin_within(conn, "SET TRANSACTION ISOLATION LEVEL READ COMMITTED; START TRANSACTION", spec)
+        .await
 }

@@ -4,7 +4,7 @@ use std::fmt::Display;
 use std::future::Future;
 
 use sqlx::pool::PoolConnection;
-use sqlx::{Postgres, SqlSafeStr, Transaction};
+use sqlx::{Postgres, Transaction};
 
 use super::{Transactional, TxSlot, begin_within, commit_if_recorded, retake, rollback};
 use crate::alert::TerminalEvent;
@@ -170,6 +170,5 @@ async fn begin_read_committed(
     conn: PoolConnection<Postgres>,
     spec: &Spec,
 ) -> Result<Transaction<'static, Postgres>, StoreError> {
-    let statement = "BEGIN ISOLATION LEVEL READ COMMITTED".into_sql_str();
-    begin_within(Transaction::begin(conn, Some(statement)), spec).await
+    begin_within(conn, "BEGIN ISOLATION LEVEL READ COMMITTED", spec).await
 }
