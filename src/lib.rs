@@ -319,7 +319,8 @@ pub use idempotent_runtime::guard;
     feature = "redis-streams",
     feature = "rabbitmq",
     feature = "nats",
-    feature = "kafka"
+    feature = "kafka",
+    feature = "rocketmq"
 ))]
 #[cfg_attr(
     docsrs,
@@ -327,7 +328,8 @@ pub use idempotent_runtime::guard;
         feature = "redis-streams",
         feature = "rabbitmq",
         feature = "nats",
-        feature = "kafka"
+        feature = "kafka",
+        feature = "rocketmq"
     )))
 )]
 pub use idempotent_runtime::{consume, publish};

@@ -18,14 +18,21 @@
 pub mod alert;
 mod backoff;
 mod classify;
-#[cfg(any(feature = "redis-streams", feature = "rabbitmq", feature = "nats", feature = "kafka"))]
+#[cfg(any(
+    feature = "redis-streams",
+    feature = "rabbitmq",
+    feature = "nats",
+    feature = "kafka",
+    feature = "rocketmq"
+))]
 #[cfg_attr(
     docsrs,
     doc(cfg(any(
         feature = "redis-streams",
         feature = "rabbitmq",
         feature = "nats",
-        feature = "kafka"
+        feature = "kafka",
+        feature = "rocketmq"
     )))
 )]
 pub mod consume;
@@ -39,14 +46,21 @@ mod json_number;
 mod key;
 mod outcome;
 mod payload;
-#[cfg(any(feature = "redis-streams", feature = "rabbitmq", feature = "nats", feature = "kafka"))]
+#[cfg(any(
+    feature = "redis-streams",
+    feature = "rabbitmq",
+    feature = "nats",
+    feature = "kafka",
+    feature = "rocketmq"
+))]
 #[cfg_attr(
     docsrs,
     doc(cfg(any(
         feature = "redis-streams",
         feature = "rabbitmq",
         feature = "nats",
-        feature = "kafka"
+        feature = "kafka",
+        feature = "rocketmq"
     )))
 )]
 pub mod publish;

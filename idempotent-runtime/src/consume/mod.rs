@@ -13,8 +13,6 @@ mod concurrent;
 
 use std::time::Duration;
 
-use tokio::time::Instant;
-
 use crate::{Disposition, DispositionExt};
 
 /// How many deliveries a consumer handles at once unless told otherwise (each
@@ -33,6 +31,9 @@ pub mod rabbitmq;
 #[cfg(feature = "redis-streams")]
 #[cfg_attr(docsrs, doc(cfg(feature = "redis-streams")))]
 pub mod redis_streams;
+#[cfg(feature = "rocketmq")]
+#[cfg_attr(docsrs, doc(cfg(feature = "rocketmq")))]
+pub mod rocketmq;
 
 /// What a handler call answered: how to settle its delivery.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -60,7 +61,8 @@ impl Answer {
 
 /// The instant `delay` from now; a delay too long to count waits a year (a deadline
 /// that is renewed, or a retry that no one waits that long for, in practice).
-pub(crate) fn deadline_after(delay: Duration) -> Instant {
-    let now = Instant::now();
+#[cfg(any(feature = "redis-streams", feature = "rabbitmq", feature = "nats", feature = "kafka"))]
+pub(crate) fn deadline_after(delay: Duration) -> tokio::time::Instant {
+    let now = tokio::time::Instant::now();
     now.checked_add(delay).unwrap_or_else(|| now + Duration::from_secs(365 * 86_400))
 }

@@ -13,6 +13,7 @@
 //! | NATS JetStream | the `Nats-Msg-Id` header | stores it once within the stream's duplicate window (2 minutes by default) and answers the resend as a duplicate |
 //! | Kafka | the `message-id` header | the idempotent producer (`enable.idempotence`) makes its own retries exactly-once per partition; a resend by the application is a second record |
 //! | Redis Streams | the `message-id` field | nothing: a resent `XADD` is a second entry |
+//! | RocketMQ | the `UNIQ_KEY` property (the client's own id), business keys in `KEYS` | nothing: the client keeps the id across its own retries of a send, but a resend by the application is a second message with a new id |
 //!
 //! Broker-side dedupe covers a producer's retries of one publish, within a window.
 //! It does not cover a consumer's redeliveries (a crash before the ack, a rebalance,
@@ -32,6 +33,9 @@ pub mod rabbitmq;
 #[cfg(feature = "redis-streams")]
 #[cfg_attr(docsrs, doc(cfg(feature = "redis-streams")))]
 pub mod redis_streams;
+#[cfg(feature = "rocketmq")]
+#[cfg_attr(docsrs, doc(cfg(feature = "rocketmq")))]
+pub mod rocketmq;
 
 /// A fresh message id: a UUIDv7 in its hyphenated text form. Version 7 ids start with
 /// the time they were made, so one producer's ids sort by creation and index well.
