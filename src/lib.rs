@@ -145,6 +145,7 @@
 //! | RabbitMQ (lapin) | `rabbitmq` | `consume::rabbitmq::RabbitConsumer` |
 //! | NATS JetStream (async-nats) | `nats` | `consume::nats::NatsConsumer` |
 //! | Kafka (rdkafka) | `kafka` | `consume::kafka::KafkaConsumer` |
+//! | RocketMQ (rocketmq-client-rust) | `rocketmq` | `consume::rocketmq::RocketMqConsumer` |
 //!
 //! The messages they hand over implement [`Payload`], so `{/json/pointer}` keys read
 //! their bodies. With any other client, settle by hand:
