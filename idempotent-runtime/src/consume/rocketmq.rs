@@ -160,10 +160,13 @@ impl Payload for RocketMqMessage {
 /// The handler is called on the caller's task (inside the future
 /// [`run`](RocketMqConsumer::run) returns), not on the client's threads. The client
 /// hands each message over from one of its consume threads, which waits for the
-/// answer: that thread pool is sized to `concurrency`. A message held longer than
-/// the client's consume timeout (15 minutes) is sent back by the client and
-/// redelivered while its handler still runs: the redelivery meets the claim in
-/// progress (its lease renewed) and waits.
+/// answer: that thread pool is sized to `concurrency`.
+///
+/// Keep handlers well under the client's consume timeout (15 minutes): the client
+/// sends a message held longer back for redelivery and stops counting it as in
+/// hand, so its queue's offset may be committed past it while its handler still
+/// runs; the copy meets the claim in progress (its lease renewed) and waits, but if
+/// that send-back failed and the process then died, the message would not come back.
 ///
 /// A consumer whose process dies has its queues' offsets where its last committed
 /// message left them: the queues go to the group's other members at the next
@@ -295,11 +298,15 @@ impl RocketMqConsumer {
     }
 
     /// Starts the consumer and handles messages until the returned future is dropped
-    /// (then the consumer shuts down; the messages whose handlers had not returned
-    /// are sent back or redelivered), or fails to start (then that error).
+    /// (then the consumer shuts down in the background; the calls not yet returned are
+    /// dropped and their messages sent back by the client, while settles already
+    /// begun finish on their own tasks), or fails to start (then that error).
     ///
-    /// Needs a multi-threaded tokio runtime: the client's consume threads block while
-    /// they wait for the handlers.
+    /// Each message in hand holds one of the tokio runtime's blocking threads while
+    /// its handler runs (the client's consume thread waits there): keep the sum of the
+    /// process's consumers' `concurrency` well under the runtime's
+    /// `max_blocking_threads` (512 by default), which `spawn_blocking` work of the
+    /// handlers (DNS lookups, `tokio::fs`) also needs.
     pub async fn run<F, Fut, R>(&self, mut handler: F) -> Result<(), RocketMqError>
     where
         F: FnMut(RocketMqMessage) -> Fut,
@@ -313,7 +320,6 @@ impl RocketMqConsumer {
         let mut running = start.await?;
         let consumer = running.client.clone();
         let mut calls = FuturesUnordered::new();
-        let mut settles = FuturesUnordered::new();
         let mut open = true;
         loop {
             tokio::select! {
@@ -326,10 +332,13 @@ impl RocketMqConsumer {
                     }
                     None => open = false,
                 },
+                // A settle runs on a task of its own: once a message is sent back, its
+                // status must reach the client even if this future is dropped, or the
+                // client would send it back a second time.
                 Some((answer, message, reply)) = calls.next() => {
-                    settles.push(self.settle(&consumer, answer, message, reply));
+                    let client = consumer.clone();
+                    drop(tokio::spawn(settle(client, self.retry_delay, answer, message, reply)));
                 }
-                Some(()) = settles.next() => {}
                 else => break,
             }
         }
@@ -375,38 +384,37 @@ impl RocketMqConsumer {
         let client: Arc<dyn Client> = Arc::new(Arc::new(tokio::sync::Mutex::new(consumer)));
         Ok(Running { client, stopped: false })
     }
+}
 
-    /// Sends `message` back as its answer says, and tells the client's thread how it
-    /// went.
-    async fn settle(
-        &self,
-        consumer: &Arc<dyn Client>,
-        answer: Answer,
-        message: MessageExt,
-        reply: oneshot::Sender<ConsumeConcurrentlyStatus>,
-    ) {
-        let level = match answer.disposition {
-            Disposition::Ack => None,
-            Disposition::Retry => Some(delay_level(answer.delay_or(self.retry_delay))),
-            Disposition::DeadLetter => Some(-1),
-        };
-        let status = match level {
-            None => ConsumeConcurrentlyStatus::ConsumeSuccess,
-            Some(level) => {
-                let broker = message.broker_name().to_owned();
-                let sent = consumer.send_back(message, level, broker).await;
-                match sent {
-                    Ok(()) => ConsumeConcurrentlyStatus::ConsumeSuccess,
-                    Err(error) => {
-                        tracing::warn!(%error, level, "sending a message back failed");
-                        ConsumeConcurrentlyStatus::ReconsumeLater
-                    }
+/// Sends `message` back as its answer says (with `retry_delay` for a Retry whose
+/// result does not say), and tells the client's thread how it went.
+async fn settle(
+    consumer: Arc<dyn Client>,
+    retry_delay: Duration,
+    answer: Answer,
+    message: MessageExt,
+    reply: oneshot::Sender<ConsumeConcurrentlyStatus>,
+) {
+    let level = match answer.disposition {
+        Disposition::Ack => None,
+        Disposition::Retry => Some(delay_level(answer.delay_or(retry_delay))),
+        Disposition::DeadLetter => Some(-1),
+    };
+    let status = match level {
+        None => ConsumeConcurrentlyStatus::ConsumeSuccess,
+        Some(level) => {
+            let broker = message.broker_name().to_owned();
+            match consumer.send_back(message, level, broker).await {
+                Ok(()) => ConsumeConcurrentlyStatus::ConsumeSuccess,
+                Err(error) => {
+                    tracing::warn!(%error, level, "sending a message back failed");
+                    ConsumeConcurrentlyStatus::ReconsumeLater
                 }
             }
-        };
-        // A client thread that stopped waiting has nothing left to tell.
-        let _ = reply.send(status);
-    }
+        }
+    };
+    // A client thread that stopped waiting has nothing left to tell.
+    let _ = reply.send(status);
 }
 
 /// A message the client's listener handed over, and where its status goes.
