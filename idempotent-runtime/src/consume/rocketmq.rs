@@ -318,7 +318,6 @@ impl RocketMqConsumer {
         // `Send` check recurse through them.
         let start: BoxFuture<'_, _> = Box::pin(self.start(handed));
         let mut running = start.await?;
-        let consumer = running.client.clone();
         let mut calls = FuturesUnordered::new();
         let mut open = true;
         loop {
@@ -336,7 +335,7 @@ impl RocketMqConsumer {
                 // status must reach the client even if this future is dropped, or the
                 // client would send it back a second time.
                 Some((answer, message, reply)) = calls.next() => {
-                    let client = consumer.clone();
+                    let client = running.client.clone();
                     drop(tokio::spawn(settle(client, self.retry_delay, answer, message, reply)));
                 }
                 else => break,
