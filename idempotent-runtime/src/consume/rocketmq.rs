@@ -155,18 +155,27 @@ impl Payload for RocketMqMessage {
 ///
 /// A send-back that fails answers `RECONSUME_LATER`, so the client sends it back
 /// itself or, failing that, consumes it again in a few seconds: the message stays in
-/// hand either way, and its offset is not committed past it.
+/// hand either way, and its offset is not committed past it. Where the broker refuses
+/// a send-back, the client publishes the copy to the retry topic instead (RocketMQ's
+/// own fallback, which this consumer keeps): a dead letter taking that way comes back
+/// once more and goes to the dead-letter queue at that delivery (its record is
+/// FAILED, so its handler does not run again); and a send-back whose answer was lost
+/// can leave two copies, so the dead-letter queue may hold a message twice (its
+/// readers should key on the message id). Send-backs of one consumer go out one at a
+/// time (the client takes the consumer exclusively for each).
 ///
 /// The handler is called on the caller's task (inside the future
 /// [`run`](RocketMqConsumer::run) returns), not on the client's threads. The client
 /// hands each message over from one of its consume threads, which waits for the
 /// answer: that thread pool is sized to `concurrency`.
 ///
-/// Keep handlers well under the client's consume timeout (15 minutes): the client
-/// sends a message held longer back for redelivery and stops counting it as in
-/// hand, so its queue's offset may be committed past it while its handler still
-/// runs; the copy meets the claim in progress (its lease renewed) and waits, but if
-/// that send-back failed and the process then died, the message would not come back.
+/// A message stays in hand until its handler returns, however long that takes: the
+/// client's consume timeout (15 minutes in RocketMQ, after which it sends a message
+/// back, ignoring a failure, and stops holding its queue's offset, so a process
+/// dying then would lose it) is turned off. A handler that never returns holds its
+/// queue's offset, and once that queue's messages in hand span 2,000 offsets the
+/// client stops fetching from it: bound handlers that may hang with
+/// `tokio::time::timeout`.
 ///
 /// A consumer whose process dies has its queues' offsets where its last committed
 /// message left them: the queues go to the group's other members at the next
@@ -198,6 +207,12 @@ pub struct RocketMqConsumer {
     from_first_offset: bool,
     route_refresh: Duration,
 }
+
+/// The client's consume timeout, in minutes: a year, so it never sends back a
+/// message whose handler still runs (its send-back ignores failures, and the message
+/// would no longer hold its queue's offset). Small enough that the client's arithmetic
+/// on it in milliseconds does not overflow.
+const NO_CONSUME_TIMEOUT_MINUTES: u64 = 365 * 24 * 60;
 
 /// Client instance names must differ between the clients of one process: the client
 /// id (address @ instance) tells a group's members apart.
@@ -368,6 +383,7 @@ impl RocketMqConsumer {
             .consume_thread_min(self.concurrency as u32)
             .consume_thread_max(self.concurrency as u32)
             .consume_message_batch_max_size(1)
+            .consume_timeout(NO_CONSUME_TIMEOUT_MINUTES)
             .max_reconsume_times(self.max_reconsume_times);
         if self.from_first_offset {
             builder = builder.consume_from_where(ConsumeFromWhere::ConsumeFromFirstOffset);
