@@ -193,6 +193,14 @@
 //! finds the claim taken while the body runs, the body is stopped at its next await
 //! as a crash would stop it, rather than left to run beside the new owner's).
 //!
+//! # Seeing what it does
+//!
+//! Every call runs in a `tracing` span `idempotent` (a child of the caller's) with its
+//! namespace, key, attempt, outcome and disposition, the alert inside it; [`trace`]
+//! has the details and [`trace::set_key_logging`] hashes keys that hold personal
+//! data. Inside a handler body, [`current()`] answers the key, attempt and claim
+//! token.
+//!
 //! # What the macro expands to
 //!
 //! ```ignore
@@ -280,14 +288,14 @@ pub use idempotent_macros::idempotent;
 pub use idempotent_macros::Classify;
 
 pub use idempotent_runtime::{
-    AlertSink, AlreadySet, Backoff, Claim, Classify, DefaultStore, Disposition, DispositionExt,
-    Document, Error, ErrorClass, Fingerprint, Key, KeyBuilder, KeyError, MAX_KEY_LEN,
-    MAX_STORED_ID_LEN, MemoryStore, NoStore, Outcome, Payload, PayloadRef, Store, StoreError,
-    TerminalEvent, Token, Transition, Unusable, alert, async_trait, claim_retention, default_store,
-    set_alert_sink, set_default_store,
+    AlertSink, AlreadySet, Backoff, Claim, Classify, Current, DefaultStore, Disposition,
+    DispositionExt, Document, Error, ErrorClass, Fingerprint, Key, KeyBuilder, KeyError,
+    MAX_KEY_LEN, MAX_STORED_ID_LEN, MemoryStore, NoStore, Outcome, Payload, PayloadRef, Store,
+    StoreError, TerminalEvent, Token, Transition, Unusable, alert, async_trait, claim_retention,
+    current, default_store, set_alert_sink, set_default_store,
 };
 
-pub use idempotent_runtime::delivery;
+pub use idempotent_runtime::{delivery, trace};
 
 #[cfg(feature = "testing")]
 #[cfg_attr(docsrs, doc(cfg(feature = "testing")))]

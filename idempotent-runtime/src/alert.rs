@@ -68,10 +68,12 @@ pub fn set_alert_sink(sink: impl AlertSink) -> Result<(), AlreadySet> {
 pub async fn process_sink(event: TerminalEvent) {
     match SINK.get() {
         Some(sink) => sink.alert(&event),
+        // The call's span holds the key, hashed if so configured; the id in plain
+        // only where keys are logged in plain.
         None => tracing::error!(
             target: "idempotent::alert",
             namespace = %event.namespace,
-            key = %event.key,
+            key = crate::trace::plain_keys().then_some(event.key.as_str()),
             attempt = event.attempt,
             exhausted = event.exhausted,
             error = %event.error,

@@ -151,6 +151,26 @@ impl<E> Error<E> {
         self.disposition() == Disposition::DeadLetter
     }
 
+    /// Its name in the call's span (`outcome`) and metrics: `retryable_error`,
+    /// `terminal_error`, `abandoned`, `previously_failed`, `panicked`, `key_error`,
+    /// `runtime_error`, `store_error`, `lease_lost`, `payload_mismatch` or
+    /// `cache_error`.
+    pub fn label(&self) -> &'static str {
+        match self {
+            Error::Retryable { .. } => "retryable_error",
+            Error::Terminal { .. } => "terminal_error",
+            Error::Abandoned { .. } => "abandoned",
+            Error::PreviouslyFailed { .. } => "previously_failed",
+            Error::Panicked { .. } => "panicked",
+            Error::Key(_) => "key_error",
+            Error::Runtime { .. } => "runtime_error",
+            Error::Store { .. } => "store_error",
+            Error::LeaseLost { .. } => "lease_lost",
+            Error::PayloadMismatch => "payload_mismatch",
+            Error::Cache { .. } => "cache_error",
+        }
+    }
+
     /// What the consumer should tell its broker.
     pub fn disposition(&self) -> Disposition {
         match self {

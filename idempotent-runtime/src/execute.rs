@@ -7,8 +7,10 @@ use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::time::Duration;
 
 use futures_util::FutureExt as _;
+use tracing::Instrument as _;
 
 use crate::alert::TerminalEvent;
+use crate::current::Current;
 use crate::{
     Backoff, Claim, Error, ErrorClass, Fingerprint, Key, KeyError, Outcome, Store, StoreError,
     Token, Transition,
@@ -359,7 +361,7 @@ impl<S: Store + ?Sized> Completion<S> for StoreCompletion {
                     if now + pause > deadline {
                         return Completed::Failed { error, effects_kept: true };
                     }
-                    tracing::warn!(key = %key, %error, "recording DONE failed; trying again");
+                    tracing::warn!(key = %key.logged(), %error, "recording DONE failed; trying again");
                     self::pause(pause).await;
                     pause *= 2;
                 }
@@ -374,6 +376,33 @@ impl<S: Store + ?Sized> Completion<S> for StoreCompletion {
 
 /// [`run`], with `completion` deciding how the result is recorded.
 pub(crate) async fn run_with<S, U, R, T, E, C, H, HF, F>(
+    call: Call<R>,
+    store: &S,
+    completion: U,
+    classify: C,
+    on_terminal: H,
+    body: F,
+) -> Result<Outcome<T>, Error<E>>
+where
+    S: Store + ?Sized,
+    U: Completion<S>,
+    R: ResultCache<T>,
+    E: Display,
+    C: FnOnce(&E) -> ErrorClass,
+    H: FnOnce(TerminalEvent) -> HF,
+    HF: Future<Output = ()>,
+    F: Future<Output = Result<T, E>>,
+{
+    let span = crate::trace::call_span(call.key.as_ref().ok());
+    let result = claim_and_run(call, store, completion, classify, on_terminal, body)
+        .instrument(span.clone())
+        .await;
+    crate::trace::record_end(&span, &result);
+    result
+}
+
+/// [`run_with`] inside the call's span.
+async fn claim_and_run<S, U, R, T, E, C, H, HF, F>(
     call: Call<R>,
     store: &S,
     mut completion: U,
@@ -398,9 +427,15 @@ where
     let early = || spec.backoff.delay(crate::delivery::delivery_count().unwrap_or(1));
     check_timer().map_err(|reason| Error::Runtime { reason, retry_after: early() })?;
     let first_renewal = claimed_at + renewal_period(spec.lease);
-    let answer = completion.claim(store, &key, &spec, fingerprint.as_ref()).await;
+    let answer = completion
+        .claim(store, &key, &spec, fingerprint.as_ref())
+        .instrument(tracing::debug_span!("claim"))
+        .await;
     let (token, attempt) = match answer {
-        Ok(Claim::Won { token, attempt }) => (token, attempt),
+        Ok(Claim::Won { token, attempt }) => {
+            tracing::Span::current().record("attempt", attempt);
+            (token, attempt)
+        }
         Ok(Claim::Done) => return Ok(Outcome::Duplicate),
         Ok(Claim::Cached(bytes)) => {
             return match cache.decode(&bytes) {
@@ -452,7 +487,9 @@ where
         abandon.disarm();
         return Err(Error::Store { error, handler_ran: false, retry_after: later() });
     }
-    let body = AssertUnwindSafe(body).catch_unwind();
+    let current = Current { key: key.clone(), attempt, token };
+    let body = crate::current::scope(current, AssertUnwindSafe(body).catch_unwind())
+        .instrument(tracing::debug_span!("handler"));
     let run = if committed {
         with_renewal(&claim, first_renewal, body).await
     } else {
@@ -483,7 +520,8 @@ where
             let encoded = catch_unwind(AssertUnwindSafe(|| cache.encode(&value)))
                 .unwrap_or_else(|_| Err("result not cached: serializing it panicked".to_owned()));
             let stored = encoded.as_ref().ok().and_then(Option::as_deref);
-            match completion.complete(store, &key, token, &spec, stored).await {
+            let record = tracing::debug_span!("record", state = "done");
+            match completion.complete(store, &key, token, &spec, stored).instrument(record).await {
                 Completed::Applied => match encoded {
                     Ok(_) => Ok(Outcome::Processed(value)),
                     Err(reason) => Ok(Outcome::ProcessedNotCached { value, reason }),
@@ -523,7 +561,7 @@ where
                 lost(attempt, message(), later())
             } else if duplicate {
                 // Not a failure: the effect is there already, so the key is done.
-                tracing::debug!(key = %key, error = %message(), "the handler found its effect already applied");
+                tracing::debug!(key = %key.logged(), error = %message(), "the handler found its effect already applied");
                 match claim.complete().await {
                     Ok(Ok(())) => Ok(Outcome::Duplicate),
                     Ok(Err(error)) => {
@@ -703,14 +741,15 @@ impl<S: Store + ?Sized> HeldClaim<'_, S> {
     /// effect later, so the caller's answer does not change. Returns `Err(Lost)` when
     /// the claim was no longer ours.
     async fn release(&self) -> Result<(), Lost> {
-        match self.store.release(self.key, self.token).await {
+        let record = tracing::debug_span!("record", state = "released");
+        match self.store.release(self.key, self.token).instrument(record).await {
             Ok(Transition::Applied) => Ok(()),
             Ok(Transition::LeaseLost) => {
-                tracing::warn!(key = %self.key, "release skipped: the claim was already lost");
+                tracing::warn!(key = %self.key.logged(), "release skipped: the claim was already lost");
                 Err(Lost)
             }
             Err(error) => {
-                tracing::warn!(key = %self.key, %error, "release failed; the lease will run out");
+                tracing::warn!(key = %self.key.logged(), %error, "release failed; the lease will run out");
                 Ok(())
             }
         }
@@ -720,7 +759,13 @@ impl<S: Store + ?Sized> HeldClaim<'_, S> {
     /// already applied, and so has no effects of its own to keep. Returns `Err(Lost)`
     /// when the claim was no longer ours, `Ok(Err(_))` when the store failed.
     async fn complete(&self) -> Result<Result<(), StoreError>, Lost> {
-        match self.store.complete(self.key, self.token, self.spec.ttl, None).await {
+        let record = tracing::debug_span!("record", state = "done");
+        match self
+            .store
+            .complete(self.key, self.token, self.spec.ttl, None)
+            .instrument(record)
+            .await
+        {
             Ok(Transition::Applied) => Ok(Ok(())),
             Ok(Transition::LeaseLost) => Err(Lost),
             Err(error) => Ok(Err(error)),
@@ -732,14 +777,15 @@ impl<S: Store + ?Sized> HeldClaim<'_, S> {
     /// the claim was no longer ours: another consumer owns the key, so there is
     /// nothing to alert about.
     async fn fail(&self, why: &str) -> Result<(), Lost> {
-        match self.store.fail(self.key, self.token, self.spec.ttl).await {
+        let record = tracing::debug_span!("record", state = "failed");
+        match self.store.fail(self.key, self.token, self.spec.ttl).instrument(record).await {
             Ok(Transition::Applied) => Ok(()),
             Ok(Transition::LeaseLost) => {
-                tracing::warn!(key = %self.key, why, "not marked failed: the claim was already lost");
+                tracing::warn!(key = %self.key.logged(), why, "not marked failed: the claim was already lost");
                 Err(Lost)
             }
             Err(error) => {
-                tracing::warn!(key = %self.key, why, %error, "could not mark failed");
+                tracing::warn!(key = %self.key.logged(), why, %error, "could not mark failed");
                 Ok(())
             }
         }
@@ -763,15 +809,15 @@ where
     H: FnOnce(TerminalEvent) -> HF,
     HF: Future<Output = ()>,
 {
-    let (namespace, key) = (event.namespace.clone(), event.key.clone());
+    let namespace = event.namespace.clone();
     let sent = AssertUnwindSafe(async move { on_terminal(event).await }).catch_unwind();
     match within(tokio::time::Instant::now() + crate::alert::HOOK_TIMEOUT, sent).await {
         Some(Ok(())) => {}
         Some(Err(_)) => {
-            tracing::error!(%namespace, %key, "the on_terminal hook panicked; the alert was lost")
+            tracing::error!(%namespace, "the on_terminal hook panicked; the alert was lost")
         }
         None => tracing::error!(
-            %namespace, %key,
+            %namespace,
             "the on_terminal hook took longer than {:?} and was dropped; the record is FAILED \
              and the call goes on",
             crate::alert::HOOK_TIMEOUT
@@ -827,18 +873,18 @@ where
                 }
                 Ok(Ok(Transition::LeaseLost)) => {
                     tracing::warn!(
-                        key = %claim.key,
+                        key = %claim.key.logged(),
                         "lease lost while the handler ran: another consumer owns the key; \
                          stopping the handler"
                     );
                     return Stopped::Lost;
                 }
                 Ok(Err(error)) => {
-                    tracing::warn!(key = %claim.key, %error, "lease renewal failed; trying again");
+                    tracing::warn!(key = %claim.key.logged(), %error, "lease renewal failed; trying again");
                     next = tokio::time::Instant::now() + pause;
                 }
                 Err(_) => {
-                    tracing::warn!(key = %claim.key, "lease renewal timed out; trying again");
+                    tracing::warn!(key = %claim.key.logged(), "lease renewal timed out; trying again");
                     next = tokio::time::Instant::now() + pause;
                 }
             }

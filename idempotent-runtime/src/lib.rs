@@ -36,6 +36,7 @@ mod classify;
     )))
 )]
 pub mod consume;
+mod current;
 pub mod delivery;
 mod error;
 pub mod execute;
@@ -70,6 +71,7 @@ pub mod store;
 #[cfg(feature = "testing")]
 #[cfg_attr(docsrs, doc(cfg(feature = "testing")))]
 pub mod testing;
+pub mod trace;
 #[cfg(any(feature = "postgres", feature = "mysql"))]
 #[cfg_attr(docsrs, doc(cfg(any(feature = "postgres", feature = "mysql"))))]
 pub mod transactional;
@@ -77,6 +79,7 @@ pub mod transactional;
 pub use alert::{AlertSink, TerminalEvent, set_alert_sink};
 pub use backoff::Backoff;
 pub use classify::{Classify, ErrorClass};
+pub use current::{Current, current};
 pub use error::{Error, KeyError, StoreError};
 pub use key::{Key, KeyBuilder, MAX_KEY_LEN, MAX_STORED_ID_LEN};
 pub use outcome::{Disposition, DispositionExt, Outcome};

@@ -75,6 +75,18 @@ impl<T> Outcome<T> {
         }
     }
 
+    /// Its name in the call's span (`outcome`) and metrics: `processed`,
+    /// `processed_not_cached`, `duplicate`, `replayed` or `in_progress`.
+    pub fn label(&self) -> &'static str {
+        match self {
+            Outcome::Processed(_) => "processed",
+            Outcome::ProcessedNotCached { .. } => "processed_not_cached",
+            Outcome::Duplicate => "duplicate",
+            Outcome::Replayed(_) => "replayed",
+            Outcome::InProgress { .. } => "in_progress",
+        }
+    }
+
     /// Whether the handler ran during this call.
     pub fn is_processed(&self) -> bool {
         matches!(self, Outcome::Processed(_) | Outcome::ProcessedNotCached { .. })

@@ -224,7 +224,7 @@ pub(crate) fn release_in_background<S: Store + Clone + 'static>(
         let (store, key) = (store.clone(), key.clone());
         runtime.spawn(async move {
             if let Err(error) = store.release(&key, token).await {
-                tracing::warn!(key = %key, %error, "release of an abandoned claim failed; the lease will run out");
+                tracing::warn!(key = %key.logged(), %error, "release of an abandoned claim failed; the lease will run out");
             }
         });
     }

@@ -364,7 +364,7 @@ impl RedisStore {
             let token = token.to_string();
             let args: [&[u8]; 2] = [token.as_bytes(), b"1"];
             if let Err(error) = store.transition(&SCRIPTS.release, &key, &args).await {
-                tracing::warn!(key = %key, %error, "giving back a claim whose reply was lost failed; its lease will run out");
+                tracing::warn!(key = %key.logged(), %error, "giving back a claim whose reply was lost failed; its lease will run out");
             }
         });
     }

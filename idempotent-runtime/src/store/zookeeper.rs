@@ -405,7 +405,7 @@ impl ZooKeeperStore {
         let (store, key) = (self.clone(), key.clone());
         runtime.spawn(async move {
             if let Err(error) = store.release_with(&key, token, true).await {
-                tracing::warn!(key = %key, %error, "giving back a claim whose answer was lost failed; its lease will run out");
+                tracing::warn!(key = %key.logged(), %error, "giving back a claim whose answer was lost failed; its lease will run out");
             }
         });
     }

@@ -1,0 +1,116 @@
+//! What a call shows through `tracing`: one span per call, and how keys appear in it.
+//!
+//! Every call of an `#[idempotent]` handler runs in an info-level span named
+//! `idempotent`, a child of the caller's span, with the fields `namespace`, `key`,
+//! `attempt` (once the claim is won), `outcome` ([`Outcome::label`] or
+//! [`Error::label`](crate::Error::label)) and `disposition` (`ack`, `retry` or
+//! `dead_letter`). The terminal alert and the library's warnings are events inside
+//! it. At debug level, child spans `claim`, `handler` (the body: its own events nest
+//! under it) and `record` show the steps.
+//!
+//! Keys may hold personal data (an email, an account number): with
+//! [`set_key_logging`]`(`[`KeyLogging::Hashed`]`)` every span and event of this
+//! library shows a key as its namespace and a hash of its id instead.
+
+use std::fmt::{self, Display};
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use sha2::{Digest as _, Sha256};
+use tracing::Span;
+
+use crate::{Disposition, DispositionExt, Error, Key, Outcome};
+
+/// How this library's spans and log events show an idempotency key.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum KeyLogging {
+    /// The key as it is stored, non-printable bytes escaped (the default).
+    #[default]
+    Plain,
+    /// The namespace, then `sha256:` and the first 16 hex digits of the SHA-256 of
+    /// the id: the same id always shows the same, so a key's calls can still be
+    /// followed, but the id itself is not in the logs.
+    Hashed,
+}
+
+static HASHED: AtomicBool = AtomicBool::new(false);
+
+/// Sets how keys appear in this library's spans and events, for the whole process.
+///
+/// ```
+/// use idempotent_runtime::trace::{KeyLogging, set_key_logging};
+/// use idempotent_runtime::Key;
+///
+/// let key = Key::new("signup", "ada@example.com").unwrap();
+/// set_key_logging(KeyLogging::Hashed);
+/// assert_eq!(key.logged().to_string(), "signup:sha256:b5fc85e55755f9e0");
+/// set_key_logging(KeyLogging::Plain);
+/// assert_eq!(key.logged().to_string(), "signup:ada@example.com");
+/// ```
+pub fn set_key_logging(how: KeyLogging) {
+    HASHED.store(how == KeyLogging::Hashed, Ordering::Relaxed);
+}
+
+/// Whether keys are logged in plain ([`KeyLogging::Plain`]).
+pub(crate) fn plain_keys() -> bool {
+    !HASHED.load(Ordering::Relaxed)
+}
+
+/// A key as [`set_key_logging`] says to show it: [`Key::logged`].
+#[derive(Debug, Clone, Copy)]
+pub struct LoggedKey<'a>(&'a Key);
+
+impl Key {
+    /// This key as this library's spans and events show it ([`set_key_logging`]): for
+    /// a handler's own log lines, so they follow the same policy.
+    pub fn logged(&self) -> LoggedKey<'_> {
+        LoggedKey(self)
+    }
+}
+
+impl Display for LoggedKey<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if plain_keys() {
+            return Display::fmt(self.0, f);
+        }
+        let digest = Sha256::digest(self.0.id());
+        write!(f, "{}:sha256:", self.0.namespace())?;
+        digest[..8].iter().try_for_each(|byte| write!(f, "{byte:02x}"))
+    }
+}
+
+/// The span a call runs in; its key is `None` when it could not be built.
+pub(crate) fn call_span(key: Option<&Key>) -> Span {
+    let span = tracing::info_span!(
+        "idempotent",
+        namespace = tracing::field::Empty,
+        key = tracing::field::Empty,
+        attempt = tracing::field::Empty,
+        outcome = tracing::field::Empty,
+        disposition = tracing::field::Empty,
+    );
+    if let Some(key) = key {
+        if !span.is_disabled() {
+            span.record("namespace", key.namespace());
+            span.record("key", tracing::field::display(key.logged()));
+        }
+    }
+    span
+}
+
+/// Records how the call ended on its span.
+pub(crate) fn record_end<T, E>(span: &Span, result: &Result<Outcome<T>, Error<E>>) {
+    if span.is_disabled() {
+        return;
+    }
+    let outcome = match result {
+        Ok(outcome) => outcome.label(),
+        Err(error) => error.label(),
+    };
+    let disposition = match result.disposition() {
+        Disposition::Ack => "ack",
+        Disposition::Retry => "retry",
+        Disposition::DeadLetter => "dead_letter",
+    };
+    span.record("outcome", outcome);
+    span.record("disposition", disposition);
+}
