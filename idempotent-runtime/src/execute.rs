@@ -7,7 +7,6 @@ use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::time::Duration;
 
 use futures_util::FutureExt as _;
-use tracing::Instrument as _;
 
 use crate::alert::TerminalEvent;
 use crate::current::Current;
@@ -112,6 +111,11 @@ impl Call {
 }
 
 impl<C> Call<C> {
+    /// The span this call runs in.
+    pub(crate) fn span(&self) -> tracing::Span {
+        crate::trace::call_span(self.key.as_ref().ok())
+    }
+
     /// Stores `fingerprint` with the claim; a record holding another one makes the call
     /// [`Error::PayloadMismatch`] (`validate = true`).
     pub fn validated(mut self, fingerprint: Fingerprint) -> Call<C> {
@@ -238,7 +242,9 @@ where
     HF: Future<Output = ()>,
     F: Future<Output = Result<T, E>>,
 {
-    run_with(call, store, StoreCompletion, classify, on_terminal, body).await
+    let span = call.span();
+    let call = run_with(call, store, StoreCompletion, classify, on_terminal, body);
+    crate::trace::traced(span, std::pin::pin!(call)).await
 }
 
 /// How a handler's effects are made to stick together with its DONE record.
@@ -378,33 +384,6 @@ impl<S: Store + ?Sized> Completion<S> for StoreCompletion {
 pub(crate) async fn run_with<S, U, R, T, E, C, H, HF, F>(
     call: Call<R>,
     store: &S,
-    completion: U,
-    classify: C,
-    on_terminal: H,
-    body: F,
-) -> Result<Outcome<T>, Error<E>>
-where
-    S: Store + ?Sized,
-    U: Completion<S>,
-    R: ResultCache<T>,
-    E: Display,
-    C: FnOnce(&E) -> ErrorClass,
-    H: FnOnce(TerminalEvent) -> HF,
-    HF: Future<Output = ()>,
-    F: Future<Output = Result<T, E>>,
-{
-    let span = crate::trace::call_span(call.key.as_ref().ok());
-    let result = claim_and_run(call, store, completion, classify, on_terminal, body)
-        .instrument(span.clone())
-        .await;
-    crate::trace::record_end(&span, &result);
-    result
-}
-
-/// [`run_with`] inside the call's span.
-async fn claim_and_run<S, U, R, T, E, C, H, HF, F>(
-    call: Call<R>,
-    store: &S,
     mut completion: U,
     classify: C,
     on_terminal: H,
@@ -427,13 +406,11 @@ where
     let early = || spec.backoff.delay(crate::delivery::delivery_count().unwrap_or(1));
     check_timer().map_err(|reason| Error::Runtime { reason, retry_after: early() })?;
     let first_renewal = claimed_at + renewal_period(spec.lease);
-    let answer = completion
-        .claim(store, &key, &spec, fingerprint.as_ref())
-        .instrument(tracing::debug_span!("claim"))
-        .await;
+    let answer = completion.claim(store, &key, &spec, fingerprint.as_ref()).await;
     let (token, attempt) = match answer {
         Ok(Claim::Won { token, attempt }) => {
             tracing::Span::current().record("attempt", attempt);
+            tracing::debug!(attempt, "claimed; running the handler");
             (token, attempt)
         }
         Ok(Claim::Done) => return Ok(Outcome::Duplicate),
@@ -488,8 +465,10 @@ where
         return Err(Error::Store { error, handler_ran: false, retry_after: later() });
     }
     let current = Current { key: key.clone(), attempt, token };
-    let body = crate::current::scope(current, AssertUnwindSafe(body).catch_unwind())
-        .instrument(tracing::debug_span!("handler"));
+    // The wrappers hold the body through a pinned reference rather than copy it.
+    let mut body = std::pin::pin!(body);
+    let body = AssertUnwindSafe(body.as_mut()).catch_unwind();
+    let body = crate::current::scope(current, body);
     let run = if committed {
         with_renewal(&claim, first_renewal, body).await
     } else {
@@ -520,8 +499,8 @@ where
             let encoded = catch_unwind(AssertUnwindSafe(|| cache.encode(&value)))
                 .unwrap_or_else(|_| Err("result not cached: serializing it panicked".to_owned()));
             let stored = encoded.as_ref().ok().and_then(Option::as_deref);
-            let record = tracing::debug_span!("record", state = "done");
-            match completion.complete(store, &key, token, &spec, stored).instrument(record).await {
+            tracing::debug!(state = "done", "recording");
+            match completion.complete(store, &key, token, &spec, stored).await {
                 Completed::Applied => match encoded {
                     Ok(_) => Ok(Outcome::Processed(value)),
                     Err(reason) => Ok(Outcome::ProcessedNotCached { value, reason }),
@@ -741,8 +720,8 @@ impl<S: Store + ?Sized> HeldClaim<'_, S> {
     /// effect later, so the caller's answer does not change. Returns `Err(Lost)` when
     /// the claim was no longer ours.
     async fn release(&self) -> Result<(), Lost> {
-        let record = tracing::debug_span!("record", state = "released");
-        match self.store.release(self.key, self.token).instrument(record).await {
+        tracing::debug!(state = "released", "recording");
+        match self.store.release(self.key, self.token).await {
             Ok(Transition::Applied) => Ok(()),
             Ok(Transition::LeaseLost) => {
                 tracing::warn!(key = %self.key.logged(), "release skipped: the claim was already lost");
@@ -759,13 +738,8 @@ impl<S: Store + ?Sized> HeldClaim<'_, S> {
     /// already applied, and so has no effects of its own to keep. Returns `Err(Lost)`
     /// when the claim was no longer ours, `Ok(Err(_))` when the store failed.
     async fn complete(&self) -> Result<Result<(), StoreError>, Lost> {
-        let record = tracing::debug_span!("record", state = "done");
-        match self
-            .store
-            .complete(self.key, self.token, self.spec.ttl, None)
-            .instrument(record)
-            .await
-        {
+        tracing::debug!(state = "done", "recording");
+        match self.store.complete(self.key, self.token, self.spec.ttl, None).await {
             Ok(Transition::Applied) => Ok(Ok(())),
             Ok(Transition::LeaseLost) => Err(Lost),
             Err(error) => Ok(Err(error)),
@@ -777,8 +751,8 @@ impl<S: Store + ?Sized> HeldClaim<'_, S> {
     /// the claim was no longer ours: another consumer owns the key, so there is
     /// nothing to alert about.
     async fn fail(&self, why: &str) -> Result<(), Lost> {
-        let record = tracing::debug_span!("record", state = "failed");
-        match self.store.fail(self.key, self.token, self.spec.ttl).instrument(record).await {
+        tracing::debug!(state = "failed", "recording");
+        match self.store.fail(self.key, self.token, self.spec.ttl).await {
             Ok(Transition::Applied) => Ok(()),
             Ok(Transition::LeaseLost) => {
                 tracing::warn!(key = %self.key.logged(), why, "not marked failed: the claim was already lost");

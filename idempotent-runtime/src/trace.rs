@@ -4,19 +4,23 @@
 //! `idempotent`, a child of the caller's span, with the fields `namespace`, `key`,
 //! `attempt` (once the claim is won), `outcome` ([`Outcome::label`] or
 //! [`Error::label`](crate::Error::label)) and `disposition` (`ack`, `retry` or
-//! `dead_letter`). The terminal alert and the library's warnings are events inside
-//! it. At debug level, child spans `claim`, `handler` (the body: its own events nest
-//! under it) and `record` show the steps.
+//! `dead_letter`). The terminal alert, the library's warnings and the handler body's
+//! own events are inside it. At debug level, events mark the steps: the claim won
+//! (`attempt`), and each record written (`state` = `done`, `released` or `failed`).
+//! (Steps are events rather than child spans: a span around each step costs a
+//! wrapper around its future, which measured about 150 ns a call.)
 //!
 //! Keys may hold personal data (an email, an account number): with
 //! [`set_key_logging`]`(`[`KeyLogging::Hashed`]`)` every span and event of this
 //! library shows a key as its namespace and a hash of its id instead.
 
 use std::fmt::{self, Display};
+use std::future::Future;
+use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use sha2::{Digest as _, Sha256};
-use tracing::Span;
+use tracing::{Instrument as _, Span};
 
 use crate::{Disposition, DispositionExt, Error, Key, Outcome};
 
@@ -97,8 +101,19 @@ pub(crate) fn call_span(key: Option<&Key>) -> Span {
     span
 }
 
+/// Runs `call` in `span`, and records there how it ended. The call is held through a
+/// pinned reference: its future is large, and a wrapper owning it would copy it.
+pub(crate) async fn traced<T, E, F>(span: Span, call: Pin<&mut F>) -> F::Output
+where
+    F: Future<Output = Result<Outcome<T>, Error<E>>>,
+{
+    let result = call.instrument(span.clone()).await;
+    record_end(&span, &result);
+    result
+}
+
 /// Records how the call ended on its span.
-pub(crate) fn record_end<T, E>(span: &Span, result: &Result<Outcome<T>, Error<E>>) {
+fn record_end<T, E>(span: &Span, result: &Result<Outcome<T>, Error<E>>) {
     if span.is_disabled() {
         return;
     }

@@ -42,7 +42,9 @@ impl Transactional for MysqlStore {
             inline: self.transactional_claim() == TransactionalClaim::InTransaction,
             claimed_at: tokio::time::Instant::now(),
         };
-        run_with(call, self, completion, classify, on_terminal, body).await
+        let span = call.span();
+        let call = run_with(call, self, completion, classify, on_terminal, body);
+        crate::trace::traced(span, std::pin::pin!(call)).await
     }
 }
 
