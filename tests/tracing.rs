@@ -190,12 +190,21 @@ async fn hashed_keys_keep_the_id_out_of_every_span_and_event() {
     assert!(declined.is_err());
 
     let calls = capture.calls();
-    let key = field(&calls[0].fields, "key").unwrap();
-    assert!(key.starts_with("pay:sha256:") && key.len() == "pay:sha256:".len() + 16, "{key}");
+    let key_field = field(&calls[0].fields, "key").unwrap().to_owned();
+    let expected_len = "pay:sha256:".len() + 16;
+    assert!(key_field.starts_with("pay:sha256:") && key_field.len() == expected_len, "{key_field}");
     let everything =
         format!("{:?}{:?}", capture.spans.lock().unwrap(), capture.events.lock().unwrap());
     assert!(!everything.contains(&account), "the id leaked: {everything}");
     assert!(everything.contains("terminal_error"), "the alert is still there: {everything}");
+
+    // With a secret, the hash is another one, which only the secret's holders can check.
+    let key = idempotent::Key::new("pay", &account).unwrap();
+    set_key_logging(KeyLogging::HashedWithSecret(b"rotate me".to_vec()));
+    let with_secret = key.logged().to_string();
+    set_key_logging(KeyLogging::Plain);
+    assert!(with_secret.starts_with("pay:sha256:") && with_secret != key_field, "{with_secret}");
+    assert!(!with_secret.contains(&account));
 }
 
 #[tokio::test]

@@ -11,13 +11,15 @@
 //! wrapper around its future, which measured about 150 ns a call.)
 //!
 //! Keys may hold personal data (an email, an account number): with
-//! [`set_key_logging`]`(`[`KeyLogging::Hashed`]`)` every span and event of this
+//! [`set_key_logging`]`(`[`KeyLogging::Hashed`]`)` (or
+//! [`HashedWithSecret`](KeyLogging::HashedWithSecret)) every span and event of this
 //! library shows a key as its namespace and a hash of its id instead.
 
 use std::fmt::{self, Display};
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{PoisonError, RwLock};
 
 use sha2::{Digest as _, Sha256};
 use tracing::{Instrument as _, Span};
@@ -25,18 +27,27 @@ use tracing::{Instrument as _, Span};
 use crate::{Disposition, DispositionExt, Error, Key, Outcome};
 
 /// How this library's spans and log events show an idempotency key.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub enum KeyLogging {
     /// The key as it is stored, non-printable bytes escaped (the default).
     #[default]
     Plain,
     /// The namespace, then `sha256:` and the first 16 hex digits of the SHA-256 of
     /// the id: the same id always shows the same, so a key's calls can still be
-    /// followed, but the id itself is not in the logs.
+    /// followed, but the id itself is not in the logs. Ids with few possible values (an
+    /// email, a phone number) can still be found by hashing candidates: use
+    /// [`HashedWithSecret`](KeyLogging::HashedWithSecret) where that matters.
     Hashed,
+    /// As [`Hashed`](KeyLogging::Hashed), with a secret hashed before the id, so that
+    /// only those who hold the secret can check a candidate id against the logs.
+    /// Give every process of a service the same secret to follow a key across them.
+    HashedWithSecret(Vec<u8>),
 }
 
-static HASHED: AtomicBool = AtomicBool::new(false);
+/// The policy in force: `None` for plain keys, else the secret (empty for none).
+static HASHING: RwLock<Option<Vec<u8>>> = RwLock::new(None);
+/// Whether the policy is plain: read on every call, without the lock.
+static PLAIN: AtomicBool = AtomicBool::new(true);
 
 /// Sets how keys appear in this library's spans and events, for the whole process.
 ///
@@ -47,16 +58,25 @@ static HASHED: AtomicBool = AtomicBool::new(false);
 /// let key = Key::new("signup", "ada@example.com").unwrap();
 /// set_key_logging(KeyLogging::Hashed);
 /// assert_eq!(key.logged().to_string(), "signup:sha256:b5fc85e55755f9e0");
+/// set_key_logging(KeyLogging::HashedWithSecret(b"s3cret".to_vec()));
+/// assert_ne!(key.logged().to_string(), "signup:sha256:b5fc85e55755f9e0");
 /// set_key_logging(KeyLogging::Plain);
 /// assert_eq!(key.logged().to_string(), "signup:ada@example.com");
 /// ```
 pub fn set_key_logging(how: KeyLogging) {
-    HASHED.store(how == KeyLogging::Hashed, Ordering::Relaxed);
+    let secret = match how {
+        KeyLogging::Plain => None,
+        KeyLogging::Hashed => Some(Vec::new()),
+        KeyLogging::HashedWithSecret(secret) => Some(secret),
+    };
+    let mut hashing = HASHING.write().unwrap_or_else(PoisonError::into_inner);
+    PLAIN.store(secret.is_none(), Ordering::Relaxed);
+    *hashing = secret;
 }
 
 /// Whether keys are logged in plain ([`KeyLogging::Plain`]).
 pub(crate) fn plain_keys() -> bool {
-    !HASHED.load(Ordering::Relaxed)
+    PLAIN.load(Ordering::Relaxed)
 }
 
 /// A key as [`set_key_logging`] says to show it: [`Key::logged`].
@@ -73,10 +93,18 @@ impl Key {
 
 impl Display for LoggedKey<'_> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        if plain_keys() {
+        let hashing = HASHING.read().unwrap_or_else(PoisonError::into_inner);
+        let Some(secret) = hashing.as_deref() else {
             return Display::fmt(self.0, f);
+        };
+        let mut hasher = Sha256::new();
+        if !secret.is_empty() {
+            // The secret's length first, so that secret and id can't trade bytes.
+            hasher.update((secret.len() as u64).to_be_bytes());
+            hasher.update(secret);
         }
-        let digest = Sha256::digest(self.0.id());
+        hasher.update(self.0.id());
+        let digest = hasher.finalize();
         write!(f, "{}:sha256:", self.0.namespace())?;
         digest[..8].iter().try_for_each(|byte| write!(f, "{byte:02x}"))
     }
