@@ -31,6 +31,8 @@ pub struct TerminalEvent {
     pub exhausted: bool,
     /// The error, rendered with `Display`.
     pub error: String,
+    /// The key as the library's logs show it ([`Key::logged`](crate::Key::logged)).
+    pub(crate) logged_key: String,
 }
 
 /// Receives every terminal failure of handlers without their own `on_terminal` hook;
@@ -68,12 +70,10 @@ pub fn set_alert_sink(sink: impl AlertSink) -> Result<(), AlreadySet> {
 pub async fn process_sink(event: TerminalEvent) {
     match SINK.get() {
         Some(sink) => sink.alert(&event),
-        // The call's span holds the key, hashed if so configured; the id in plain
-        // only where keys are logged in plain.
         None => tracing::error!(
             target: "idempotent::alert",
             namespace = %event.namespace,
-            key = crate::trace::plain_keys().then_some(event.key.as_str()),
+            key = %event.logged_key,
             attempt = event.attempt,
             exhausted = event.exhausted,
             error = %event.error,

@@ -243,8 +243,8 @@ where
     F: Future<Output = Result<T, E>>,
 {
     let span = call.span();
-    let call = run_with(call, store, StoreCompletion, classify, on_terminal, body);
-    crate::trace::traced(span, std::pin::pin!(call)).await
+    let call = run_with(&span, call, store, StoreCompletion, classify, on_terminal, body);
+    crate::trace::traced(&span, std::pin::pin!(call)).await
 }
 
 /// How a handler's effects are made to stick together with its DONE record.
@@ -382,6 +382,7 @@ impl<S: Store + ?Sized> Completion<S> for StoreCompletion {
 
 /// [`run`], with `completion` deciding how the result is recorded.
 pub(crate) async fn run_with<S, U, R, T, E, C, H, HF, F>(
+    span: &tracing::Span,
     call: Call<R>,
     store: &S,
     mut completion: U,
@@ -409,7 +410,7 @@ where
     let answer = completion.claim(store, &key, &spec, fingerprint.as_ref()).await;
     let (token, attempt) = match answer {
         Ok(Claim::Won { token, attempt }) => {
-            tracing::Span::current().record("attempt", attempt);
+            span.record("attempt", attempt);
             tracing::debug!(attempt, "claimed; running the handler");
             (token, attempt)
         }
@@ -451,7 +452,7 @@ where
             return Err(Error::LeaseLost { attempt, retry_after: later() });
         }
         let event = claim.event(attempts, true, format!("{attempts} attempt(s) never finished"));
-        alert(on_terminal, event).await;
+        alert(on_terminal, event, &key).await;
         return Err(Error::Abandoned { attempts });
     }
 
@@ -465,15 +466,19 @@ where
         return Err(Error::Store { error, handler_ran: false, retry_after: later() });
     }
     let current = Current { key: key.clone(), attempt, token };
-    // The wrappers hold the body through a pinned reference rather than copy it.
-    let mut body = std::pin::pin!(body);
-    let body = AssertUnwindSafe(body.as_mut()).catch_unwind();
-    let body = crate::current::scope(current, body);
-    let run = if committed {
-        with_renewal(&claim, first_renewal, body).await
-    } else {
-        // Nothing to renew: the claim is the transaction's row lock.
-        Ok(body.await)
+    let run = {
+        // The wrappers hold the body through a pinned reference rather than copy it;
+        // the body itself is dropped at the end of this block, as soon as it stops
+        // (what it holds, such as a lent transaction, goes back before the rest).
+        let mut body = std::pin::pin!(body);
+        let body = AssertUnwindSafe(body.as_mut()).catch_unwind();
+        let body = crate::current::scope(current, body);
+        if committed {
+            with_renewal(&claim, first_renewal, body).await
+        } else {
+            // Nothing to renew: the claim is the transaction's row lock.
+            Ok(body.await)
+        }
     };
     let finished = match run {
         Ok(finished) => finished,
@@ -557,7 +562,7 @@ where
             } else {
                 match claim.fail("the handler failed for good").await {
                     Ok(()) => {
-                        alert(on_terminal, claim.event(attempt, retryable, message())).await;
+                        alert(on_terminal, claim.event(attempt, retryable, message()), &key).await;
                         Err(Error::Terminal { error, attempt, exhausted: retryable })
                     }
                     Err(Lost) => lost(attempt, message(), later()),
@@ -589,7 +594,7 @@ where
                 Ok(()) => {
                     if exhausted {
                         let why = format!("the handler panicked: {message}");
-                        alert(on_terminal, claim.event(attempt, true, why)).await;
+                        alert(on_terminal, claim.event(attempt, true, why), &key).await;
                     }
                     Err(Error::Panicked { message, attempt, exhausted, retry_after: later() })
                 }
@@ -768,6 +773,7 @@ impl<S: Store + ?Sized> HeldClaim<'_, S> {
     fn event(&self, attempt: u32, exhausted: bool, error: String) -> TerminalEvent {
         TerminalEvent {
             namespace: self.key.namespace().to_owned(),
+            logged_key: self.key.logged().to_string(),
             key: self.key.id().escape_ascii().to_string(),
             attempt,
             exhausted,
@@ -778,20 +784,19 @@ impl<S: Store + ?Sized> HeldClaim<'_, S> {
 
 /// Sends a terminal alert. The record is already FAILED, so a panicking hook is
 /// logged rather than allowed to unwind through the caller.
-async fn alert<H, HF>(on_terminal: H, event: TerminalEvent)
+async fn alert<H, HF>(on_terminal: H, event: TerminalEvent, key: &Key)
 where
     H: FnOnce(TerminalEvent) -> HF,
     HF: Future<Output = ()>,
 {
-    let namespace = event.namespace.clone();
     let sent = AssertUnwindSafe(async move { on_terminal(event).await }).catch_unwind();
     match within(tokio::time::Instant::now() + crate::alert::HOOK_TIMEOUT, sent).await {
         Some(Ok(())) => {}
         Some(Err(_)) => {
-            tracing::error!(%namespace, "the on_terminal hook panicked; the alert was lost")
+            tracing::error!(key = %key.logged(), "the on_terminal hook panicked; the alert was lost")
         }
         None => tracing::error!(
-            %namespace,
+            key = %key.logged(),
             "the on_terminal hook took longer than {:?} and was dropped; the record is FAILED \
              and the call goes on",
             crate::alert::HOOK_TIMEOUT

@@ -3,17 +3,20 @@
 //! Every call of an `#[idempotent]` handler runs in an info-level span named
 //! `idempotent`, a child of the caller's span, with the fields `namespace`, `key`,
 //! `attempt` (once the claim is won), `outcome` ([`Outcome::label`] or
-//! [`Error::label`](crate::Error::label)) and `disposition` (`ack`, `retry` or
-//! `dead_letter`). The terminal alert, the library's warnings and the handler body's
-//! own events are inside it. At debug level, events mark the steps: the claim won
-//! (`attempt`), and each record written (`state` = `done`, `released` or `failed`).
-//! (Steps are events rather than child spans: a span around each step costs a
-//! wrapper around its future, which measured about 150 ns a call.)
+//! [`Error::label`](crate::Error::label); `cancelled` for a call dropped before it
+//! ended) and `disposition` (`ack`, `retry` or `dead_letter`). The terminal alert, the
+//! library's warnings and the handler body's own events are inside it (but not the
+//! warning of a claim given back in the background after its call was dropped). At
+//! debug level, events mark the steps: the claim won (`attempt`), and each record
+//! written (`state` = `done`, `released` or `failed`). (Steps are events rather than
+//! child spans: a span around each step costs a wrapper around its future, which
+//! measured about 150 ns a call.)
 //!
 //! Keys may hold personal data (an email, an account number): with
 //! [`set_key_logging`]`(`[`KeyLogging::Hashed`]`)` (or
 //! [`HashedWithSecret`](KeyLogging::HashedWithSecret)) every span and event of this
-//! library shows a key as its namespace and a hash of its id instead.
+//! library, and the store errors it writes itself, show a key as its namespace and a
+//! hash of its id instead.
 
 use std::fmt::{self, Display};
 use std::future::Future;
@@ -27,7 +30,7 @@ use tracing::{Instrument as _, Span};
 use crate::{Disposition, DispositionExt, Error, Key, Outcome};
 
 /// How this library's spans and log events show an idempotency key.
-#[derive(Debug, Clone, PartialEq, Eq, Default)]
+#[derive(Clone, PartialEq, Eq, Default)]
 pub enum KeyLogging {
     /// The key as it is stored, non-printable bytes escaped (the default).
     #[default]
@@ -41,7 +44,19 @@ pub enum KeyLogging {
     /// As [`Hashed`](KeyLogging::Hashed), with a secret hashed before the id, so that
     /// only those who hold the secret can check a candidate id against the logs.
     /// Give every process of a service the same secret to follow a key across them.
+    /// An empty secret is the same as [`Hashed`](KeyLogging::Hashed).
     HashedWithSecret(Vec<u8>),
+}
+
+/// Never shows the secret.
+impl fmt::Debug for KeyLogging {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            KeyLogging::Plain => f.write_str("Plain"),
+            KeyLogging::Hashed => f.write_str("Hashed"),
+            KeyLogging::HashedWithSecret(_) => f.write_str("HashedWithSecret(..)"),
+        }
+    }
 }
 
 /// The policy in force: `None` for plain keys, else the secret (empty for none).
@@ -74,11 +89,6 @@ pub fn set_key_logging(how: KeyLogging) {
     *hashing = secret;
 }
 
-/// Whether keys are logged in plain ([`KeyLogging::Plain`]).
-pub(crate) fn plain_keys() -> bool {
-    PLAIN.load(Ordering::Relaxed)
-}
-
 /// A key as [`set_key_logging`] says to show it: [`Key::logged`].
 #[derive(Debug, Clone, Copy)]
 pub struct LoggedKey<'a>(&'a Key);
@@ -93,6 +103,9 @@ impl Key {
 
 impl Display for LoggedKey<'_> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if PLAIN.load(Ordering::Relaxed) {
+            return Display::fmt(self.0, f);
+        }
         let hashing = HASHING.read().unwrap_or_else(PoisonError::into_inner);
         let Some(secret) = hashing.as_deref() else {
             return Display::fmt(self.0, f);
@@ -105,7 +118,7 @@ impl Display for LoggedKey<'_> {
         }
         hasher.update(self.0.id());
         let digest = hasher.finalize();
-        write!(f, "{}:sha256:", self.0.namespace())?;
+        write!(f, "{}:sha256:", self.0.namespace().as_bytes().escape_ascii())?;
         digest[..8].iter().try_for_each(|byte| write!(f, "{byte:02x}"))
     }
 }
@@ -131,13 +144,28 @@ pub(crate) fn call_span(key: Option<&Key>) -> Span {
 
 /// Runs `call` in `span`, and records there how it ended. The call is held through a
 /// pinned reference: its future is large, and a wrapper owning it would copy it.
-pub(crate) async fn traced<T, E, F>(span: Span, call: Pin<&mut F>) -> F::Output
+pub(crate) async fn traced<T, E, F>(span: &Span, call: Pin<&mut F>) -> F::Output
 where
     F: Future<Output = Result<Outcome<T>, Error<E>>>,
 {
+    // A call dropped before it ends (a timeout around it, a consumer stopping) says
+    // so on its span.
+    let mut unfinished = Unfinished(Some(span));
     let result = call.instrument(span.clone()).await;
-    record_end(&span, &result);
+    unfinished.0 = None;
+    record_end(span, &result);
     result
+}
+
+/// Marks a span whose call was dropped before it ended: `outcome = "cancelled"`.
+struct Unfinished<'a>(Option<&'a Span>);
+
+impl Drop for Unfinished<'_> {
+    fn drop(&mut self) {
+        if let Some(span) = self.0 {
+            span.record("outcome", "cancelled");
+        }
+    }
 }
 
 /// Records how the call ended on its span.

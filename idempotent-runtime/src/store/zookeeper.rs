@@ -195,10 +195,7 @@ impl ZooKeeperStore {
             Err(e) => return Err(zk_error(e)),
         };
         let record = Record::parse(&data).ok_or_else(|| {
-            StoreError::Rejected(
-                format!("unreadable record at {path}: written by another program or version")
-                    .into(),
-            )
+            StoreError::Rejected("unreadable record: written by another program or version".into())
         })?;
         let now = self.now(client).await?;
         Ok(Some((record, stat, now)))
@@ -271,7 +268,7 @@ impl ZooKeeperStore {
                 Err(Taken::Failed(e)) => return Err(e),
             }
         }
-        Err(StoreError::Protocol(format!("claim of {path} raced {RACES} times")))
+        Err(StoreError::Protocol(format!("claim of {} raced {RACES} times", key.logged())))
     }
 
     /// Writes `record` as a claim: in one transaction, replaces the record seen
@@ -395,7 +392,7 @@ impl ZooKeeperStore {
                 Err(e) => return Err(zk_error(e.into())),
             }
         }
-        Err(StoreError::Protocol(format!("transition of {path} raced {RACES} times")))
+        Err(StoreError::Protocol(format!("transition of {} raced {RACES} times", key.logged())))
     }
 
     /// Releases `token`'s claim in the background, taking its attempt back: for a

@@ -331,7 +331,7 @@ pub(crate) async fn retake(
         Ok(crate::Claim::Won { token, .. }) => Discarded::Retaken(token),
         Ok(_) => Discarded::Gone,
         Err(error) => {
-            tracing::warn!(%key, %error, "the attempt could not be recorded");
+            tracing::warn!(key = %key.logged(), %error, "the attempt could not be recorded");
             Discarded::Gone
         }
     }

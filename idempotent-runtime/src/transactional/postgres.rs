@@ -42,8 +42,8 @@ impl Transactional for PostgresStore {
             claimed_at: tokio::time::Instant::now(),
         };
         let span = call.span();
-        let call = run_with(call, self, completion, classify, on_terminal, body);
-        crate::trace::traced(span, std::pin::pin!(call)).await
+        let call = run_with(&span, call, self, completion, classify, on_terminal, body);
+        crate::trace::traced(&span, std::pin::pin!(call)).await
     }
 }
 
