@@ -295,7 +295,7 @@ pub use idempotent_runtime::{
     current, default_store, set_alert_sink, set_default_store,
 };
 
-pub use idempotent_runtime::{delivery, trace};
+pub use idempotent_runtime::{delivery, metrics, trace};
 
 #[cfg(feature = "testing")]
 #[cfg_attr(docsrs, doc(cfg(feature = "testing")))]

@@ -10,6 +10,7 @@ use futures_util::FutureExt as _;
 
 use crate::alert::TerminalEvent;
 use crate::current::Current;
+use crate::metrics::{CallMeter, Operation};
 use crate::{
     Backoff, Claim, Error, ErrorClass, Fingerprint, Key, KeyError, Outcome, Store, StoreError,
     Token, Transition,
@@ -242,9 +243,32 @@ where
     HF: Future<Output = ()>,
     F: Future<Output = Result<T, E>>,
 {
+    run_observed(call, store, StoreCompletion, classify, on_terminal, body).await
+}
+
+/// [`run_with`], in the call's span and with its metrics.
+pub(crate) async fn run_observed<S, U, R, T, E, C, H, HF, F>(
+    call: Call<R>,
+    store: &S,
+    completion: U,
+    classify: C,
+    on_terminal: H,
+    body: F,
+) -> Result<Outcome<T>, Error<E>>
+where
+    S: Store + ?Sized,
+    U: Completion<S>,
+    R: ResultCache<T>,
+    E: Display,
+    C: FnOnce(&E) -> ErrorClass,
+    H: FnOnce(TerminalEvent) -> HF,
+    HF: Future<Output = ()>,
+    F: Future<Output = Result<T, E>>,
+{
     let span = call.span();
-    let call = run_with(&span, call, store, StoreCompletion, classify, on_terminal, body);
-    crate::trace::traced(&span, std::pin::pin!(call)).await
+    let meter = CallMeter::new(call.key.as_ref().ok());
+    let call = run_with(&span, &meter, call, store, completion, classify, on_terminal, body);
+    crate::trace::traced(&span, &meter, std::pin::pin!(call)).await
 }
 
 /// How a handler's effects are made to stick together with its DONE record.
@@ -261,6 +285,8 @@ pub(crate) trait Completion<S: ?Sized> {
     /// renewal, while this runs, so it must finish well within `spec.lease()`.
     async fn begin(&mut self, store: &S, spec: &Spec) -> Result<(), StoreError>;
     /// Records DONE with `result` (kept for `spec.ttl()`) and keeps the body's effects.
+    /// Failed tries it makes again are counted on `meter`; the caller counts a
+    /// [`Completed::Failed`].
     async fn complete(
         self,
         store: &S,
@@ -268,6 +294,7 @@ pub(crate) trait Completion<S: ?Sized> {
         token: Token,
         spec: &Spec,
         result: Option<&[u8]>,
+        meter: &CallMeter,
     ) -> Completed;
     /// Throws away what the body did, when it failed or panicked, and gives back what
     /// the claim or `begin` took (a connection); also called without a body run. Says
@@ -340,6 +367,7 @@ impl<S: Store + ?Sized> Completion<S> for StoreCompletion {
         token: Token,
         spec: &Spec,
         result: Option<&[u8]>,
+        meter: &CallMeter,
     ) -> Completed {
         let mut pause = Duration::from_millis(10);
         // Half the lease from the first failure (the clock is read only then).
@@ -367,6 +395,7 @@ impl<S: Store + ?Sized> Completion<S> for StoreCompletion {
                     if now + pause > deadline {
                         return Completed::Failed { error, effects_kept: true };
                     }
+                    meter.store_failed(Operation::Complete);
                     tracing::warn!(key = %key.logged(), %error, "recording DONE failed; trying again");
                     self::pause(pause).await;
                     pause *= 2;
@@ -381,8 +410,10 @@ impl<S: Store + ?Sized> Completion<S> for StoreCompletion {
 }
 
 /// [`run`], with `completion` deciding how the result is recorded.
-pub(crate) async fn run_with<S, U, R, T, E, C, H, HF, F>(
+#[allow(clippy::too_many_arguments)]
+async fn run_with<S, U, R, T, E, C, H, HF, F>(
     span: &tracing::Span,
+    meter: &CallMeter,
     call: Call<R>,
     store: &S,
     mut completion: U,
@@ -408,6 +439,7 @@ where
     check_timer().map_err(|reason| Error::Runtime { reason, retry_after: early() })?;
     let first_renewal = claimed_at + renewal_period(spec.lease);
     let answer = completion.claim(store, &key, &spec, fingerprint.as_ref()).await;
+    meter.claimed(claimed_at);
     let (token, attempt) = match answer {
         Ok(Claim::Won { token, attempt }) => {
             span.record("attempt", attempt);
@@ -429,12 +461,13 @@ where
         }
         Ok(Claim::Failed { attempts }) => return Err(Error::PreviouslyFailed { attempts }),
         Err(error) => {
+            meter.store_failed(Operation::Claim);
             return Err(Error::Store { error, handler_ran: false, retry_after: early() });
         }
     };
     // How long a retry of this attempt waits.
     let later = || spec.backoff.delay(attempt);
-    let mut claim = HeldClaim { spec, store, key: &key, token, claimed_at };
+    let mut claim = HeldClaim { spec, store, key: &key, token, claimed_at, meter };
     let fingerprint = fingerprint.as_ref();
 
     if attempt > spec.max_attempts {
@@ -461,11 +494,13 @@ where
     let committed = completion.claim_committed();
     let mut abandon = AbandonOnDrop { store, key: &key, token, armed: committed };
     if let Err(error) = completion.begin(store, &spec).await {
+        meter.store_failed(Operation::Begin);
         let _ = claim.release().await;
         abandon.disarm();
         return Err(Error::Store { error, handler_ran: false, retry_after: later() });
     }
     let current = Current { key: key.clone(), attempt, token };
+    let started = meter.now();
     let run = {
         // The wrappers hold the body through a pinned reference rather than copy it;
         // the body itself is dropped at the end of this block, as soon as it stops
@@ -480,6 +515,7 @@ where
             Ok(body.await)
         }
     };
+    meter.handled(started);
     let finished = match run {
         Ok(finished) => finished,
         Err(Stopped::Lost) => {
@@ -505,7 +541,11 @@ where
                 .unwrap_or_else(|_| Err("result not cached: serializing it panicked".to_owned()));
             let stored = encoded.as_ref().ok().and_then(Option::as_deref);
             tracing::debug!(state = "done", "recording");
-            match completion.complete(store, &key, token, &spec, stored).await {
+            let completed = completion.complete(store, &key, token, &spec, stored, meter).await;
+            if let Completed::Failed { .. } = completed {
+                meter.store_failed(Operation::Complete);
+            }
+            match completed {
                 Completed::Applied => match encoded {
                     Ok(_) => Ok(Outcome::Processed(value)),
                     Err(reason) => Ok(Outcome::ProcessedNotCached { value, reason }),
@@ -718,6 +758,7 @@ struct HeldClaim<'a, S: ?Sized> {
     token: Token,
     /// When the claim was sent: its lease runs at least `spec.lease` from here.
     claimed_at: tokio::time::Instant,
+    meter: &'a CallMeter,
 }
 
 impl<S: Store + ?Sized> HeldClaim<'_, S> {
@@ -733,6 +774,7 @@ impl<S: Store + ?Sized> HeldClaim<'_, S> {
                 Err(Lost)
             }
             Err(error) => {
+                self.meter.store_failed(Operation::Release);
                 tracing::warn!(key = %self.key.logged(), %error, "release failed; the lease will run out");
                 Ok(())
             }
@@ -747,7 +789,10 @@ impl<S: Store + ?Sized> HeldClaim<'_, S> {
         match self.store.complete(self.key, self.token, self.spec.ttl, None).await {
             Ok(Transition::Applied) => Ok(Ok(())),
             Ok(Transition::LeaseLost) => Err(Lost),
-            Err(error) => Ok(Err(error)),
+            Err(error) => {
+                self.meter.store_failed(Operation::Complete);
+                Ok(Err(error))
+            }
         }
     }
 
@@ -764,6 +809,7 @@ impl<S: Store + ?Sized> HeldClaim<'_, S> {
                 Err(Lost)
             }
             Err(error) => {
+                self.meter.store_failed(Operation::Fail);
                 tracing::warn!(key = %self.key.logged(), why, %error, "could not mark failed");
                 Ok(())
             }
@@ -859,10 +905,12 @@ where
                     return Stopped::Lost;
                 }
                 Ok(Err(error)) => {
+                    claim.meter.store_failed(Operation::Renew);
                     tracing::warn!(key = %claim.key.logged(), %error, "lease renewal failed; trying again");
                     next = tokio::time::Instant::now() + pause;
                 }
                 Err(_) => {
+                    claim.meter.store_failed(Operation::Renew);
                     tracing::warn!(key = %claim.key.logged(), "lease renewal timed out; trying again");
                     next = tokio::time::Instant::now() + pause;
                 }

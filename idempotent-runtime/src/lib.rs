@@ -45,6 +45,7 @@ pub mod execute;
 pub mod guard;
 mod json_number;
 mod key;
+pub mod metrics;
 mod outcome;
 mod payload;
 #[cfg(any(

@@ -27,6 +27,7 @@ use std::sync::{PoisonError, RwLock};
 use sha2::{Digest as _, Sha256};
 use tracing::{Instrument as _, Span};
 
+use crate::metrics::CallMeter;
 use crate::{Disposition, DispositionExt, Error, Key, Outcome};
 
 /// How this library's spans and log events show an idempotency key.
@@ -144,39 +145,42 @@ pub(crate) fn call_span(key: Option<&Key>) -> Span {
 
 /// Runs `call` in `span`, and records there how it ended. The call is held through a
 /// pinned reference: its future is large, and a wrapper owning it would copy it.
-pub(crate) async fn traced<T, E, F>(span: &Span, call: Pin<&mut F>) -> F::Output
+/// How it ended is also counted on `meter`.
+pub(crate) async fn traced<T, E, F>(span: &Span, meter: &CallMeter, call: Pin<&mut F>) -> F::Output
 where
     F: Future<Output = Result<Outcome<T>, Error<E>>>,
 {
     // A call dropped before it ends (a timeout around it, a consumer stopping) says
     // so on its span.
-    let mut unfinished = Unfinished(Some(span));
+    let mut unfinished = Unfinished(Some((span, meter)));
     let result = call.instrument(span.clone()).await;
     unfinished.0 = None;
-    record_end(span, &result);
+    let outcome = match &result {
+        Ok(outcome) => outcome.label(),
+        Err(error) => error.label(),
+    };
+    meter.ended(outcome);
+    record_end(span, outcome, &result);
     result
 }
 
-/// Marks a span whose call was dropped before it ended: `outcome = "cancelled"`.
-struct Unfinished<'a>(Option<&'a Span>);
+/// Marks a call dropped before it ended: `outcome = "cancelled"`.
+struct Unfinished<'a>(Option<(&'a Span, &'a CallMeter)>);
 
 impl Drop for Unfinished<'_> {
     fn drop(&mut self) {
-        if let Some(span) = self.0 {
+        if let Some((span, meter)) = self.0 {
             span.record("outcome", "cancelled");
+            meter.ended("cancelled");
         }
     }
 }
 
 /// Records how the call ended on its span.
-fn record_end<T, E>(span: &Span, result: &Result<Outcome<T>, Error<E>>) {
+fn record_end<T, E>(span: &Span, outcome: &str, result: &Result<Outcome<T>, Error<E>>) {
     if span.is_disabled() {
         return;
     }
-    let outcome = match result {
-        Ok(outcome) => outcome.label(),
-        Err(error) => error.label(),
-    };
     let disposition = match result.disposition() {
         Disposition::Ack => "ack",
         Disposition::Retry => "retry",

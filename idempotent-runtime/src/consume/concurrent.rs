@@ -11,6 +11,7 @@ use futures_util::stream::{FuturesUnordered, Stream, StreamExt as _};
 use tokio::time::Instant;
 
 use super::{Answer, deadline_after};
+use crate::metrics::ConsumerMeter;
 use crate::{Disposition, DispositionExt};
 
 /// Reads deliveries from `deliveries` while fewer than `concurrency` are in hand,
@@ -40,10 +41,14 @@ use crate::{Disposition, DispositionExt};
 /// read: each starts once the one before it is settled, and a Retry drops the lane's
 /// deliveries not yet started, unsettled (the broker hands them out again after the
 /// retried one). Deliveries of no lane (`None`) run as they come.
+///
+/// `meter` counts the deliveries taken, settled and let go.
+#[allow(clippy::too_many_arguments)]
 pub(crate) async fn settle_concurrently<D, E, S, L, C, CF, R, T, TF, X>(
     deliveries: S,
     concurrency: usize,
     patience: Duration,
+    meter: &ConsumerMeter,
     lane: L,
     mut call: C,
     mut settle: T,
@@ -100,6 +105,7 @@ where
             }
         }
         if failed.is_some() {
+            meter.let_go(waiting.len() + queued);
             waiting.clear();
             lanes.values_mut().for_each(VecDeque::clear);
             queued = 0;
@@ -111,17 +117,20 @@ where
         let room = work.len() + waiting.len() + queued < concurrency;
         tokio::select! {
             next = deliveries.next(), if room && !ended => match next {
-                Some(Ok(delivery)) => match lane(&delivery).map(|l| lanes.entry(l)) {
-                    Some(Entry::Occupied(mut behind)) => {
-                        behind.get_mut().push_back(delivery);
-                        queued += 1;
+                Some(Ok(delivery)) => {
+                    meter.taken(1);
+                    match lane(&delivery).map(|l| lanes.entry(l)) {
+                        Some(Entry::Occupied(mut behind)) => {
+                            behind.get_mut().push_back(delivery);
+                            queued += 1;
+                        }
+                        Some(Entry::Vacant(free)) => {
+                            free.insert(VecDeque::new());
+                            work.push(start(delivery, false, &mut calls));
+                        }
+                        None => work.push(start(delivery, false, &mut calls)),
                     }
-                    Some(Entry::Vacant(free)) => {
-                        free.insert(VecDeque::new());
-                        work.push(start(delivery, false, &mut calls));
-                    }
-                    None => work.push(start(delivery, false, &mut calls)),
-                },
+                }
                 Some(Err(error)) => {
                     failed = Some(error);
                     ended = true;
@@ -139,6 +148,10 @@ where
                     }
                 }
                 Step::Settled { lane, disposition, result } => {
+                    match &result {
+                        Ok(()) => meter.settled(disposition),
+                        Err(_) => meter.let_go(1),
+                    }
                     if let Err(error) = result {
                         if failed.is_none() {
                             failed = Some(error);
@@ -149,6 +162,7 @@ where
                     }
                     if let Some(Entry::Occupied(mut behind)) = lane.map(|l| lanes.entry(l)) {
                         if disposition == Disposition::Retry || failed.is_some() {
+                            meter.let_go(behind.get().len());
                             queued -= behind.get().len();
                             behind.get_mut().clear();
                         }
@@ -281,8 +295,17 @@ mod tests {
                 Ok(())
             }
         };
-        settle_concurrently(stream, concurrency, Duration::from_secs(1), |_| None, call, settle)
-            .await
+        let meter = ConsumerMeter::new("test", "stream");
+        settle_concurrently(
+            stream,
+            concurrency,
+            Duration::from_secs(1),
+            &meter,
+            |_| None,
+            call,
+            settle,
+        )
+        .await
     }
 
     #[tokio::test(start_paused = true)]
@@ -413,9 +436,18 @@ mod tests {
             settled.borrow_mut().push((d.0, answer.disposition));
             async { Ok::<_, ()>(()) }
         };
-        settle_concurrently(stream, 8, Duration::from_secs(1), |d| Some(d.0.0), call, settle)
-            .await
-            .unwrap();
+        let meter = ConsumerMeter::new("test", "stream");
+        settle_concurrently(
+            stream,
+            8,
+            Duration::from_secs(1),
+            &meter,
+            |d| Some(d.0.0),
+            call,
+            settle,
+        )
+        .await
+        .unwrap();
         let started = started.into_inner();
         for lane in 0..3 {
             let order: Vec<u32> =

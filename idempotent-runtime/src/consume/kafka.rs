@@ -18,6 +18,7 @@ use tokio::time::Instant;
 use super::DEFAULT_CONCURRENCY;
 use super::concurrent::settle_concurrently;
 use super::{Answer, deadline_after};
+use crate::metrics::ConsumerMeter;
 use crate::{Disposition, DispositionExt, Payload, PayloadRef};
 
 /// One record from a partition.
@@ -433,6 +434,7 @@ impl KafkaConsumer {
         R: DispositionExt,
     {
         let _flush_at_exit = FlushOnDrop(self);
+        let meter = self.meter();
         let deliveries = futures_util::stream::unfold((), move |()| async move {
             loop {
                 match self.receive().await {
@@ -446,6 +448,7 @@ impl KafkaConsumer {
             deliveries,
             self.concurrency,
             self.retry_delay,
+            &meter,
             |held: &Held<'_>| Some(lane(&held.message, held.epoch)),
             |held: &Held<'_>| handler(held.message.clone()),
             |held, answer| async move {
@@ -493,10 +496,27 @@ impl KafkaConsumer {
         R: DispositionExt,
     {
         let Some(held) = self.receive().await? else { return Ok(None) };
+        let meter = self.meter();
+        meter.taken(1);
         let answer = Answer::of(&handler(held.message.clone()).await);
         self.settle(held, answer).await?;
         self.flush()?;
+        meter.settled(answer.disposition);
         Ok(Some(answer.disposition))
+    }
+
+    /// Counts this consumer's deliveries under the topics it is subscribed to.
+    fn meter(&self) -> ConsumerMeter {
+        let topics = match self.consumer.subscription() {
+            Ok(list) => {
+                let mut topics: Vec<String> =
+                    list.elements().iter().map(|e| e.topic().to_owned()).collect();
+                topics.dedup();
+                topics.join(",")
+            }
+            Err(_) => String::new(),
+        };
+        ConsumerMeter::new("kafka", &topics)
     }
 
     /// Receives the next record, resuming the partitions whose retry delay is over

@@ -18,6 +18,7 @@ use super::DEFAULT_CONCURRENCY;
 use super::concurrent::settle_concurrently;
 use crate::delivery::with_delivery_count;
 use crate::execute::Spec;
+use crate::metrics::ConsumerMeter;
 use crate::{Disposition, DispositionExt, Payload, PayloadRef};
 
 /// What can go wrong while consuming: the stream of messages, an acknowledgement, or
@@ -217,10 +218,12 @@ impl NatsConsumer {
         let messages = self.consumer.stream().max_messages_per_batch(batch).messages().await?;
         let deliveries = messages
             .map(|message| message.map(|message| self.held(message)).map_err(NatsError::from));
+        let meter = self.meter();
         settle_concurrently(
             deliveries,
             self.concurrency,
             self.retry_delay,
+            &meter,
             |_| None,
             |held: &Held| {
                 with_delivery_count(held.message.delivery_count, handler(held.message.clone()))
@@ -250,9 +253,21 @@ impl NatsConsumer {
             Ok(message) => self.held(message),
             Err(e) => return Some(Err(e.into())),
         };
+        let meter = self.meter();
+        meter.taken(1);
         let call = handler(held.message.clone());
         let answer = Answer::of(&with_delivery_count(held.message.delivery_count, call).await);
-        Some(self.settle(held, answer).await)
+        let settled = self.settle(held, answer).await;
+        if let Ok(disposition) = &settled {
+            meter.settled(*disposition);
+        }
+        Some(settled)
+    }
+
+    /// Counts this consumer's deliveries under `{stream}/{consumer}`.
+    fn meter(&self) -> ConsumerMeter {
+        let info = self.consumer.cached_info();
+        ConsumerMeter::new("nats", &format!("{}/{}", info.stream_name, info.name))
     }
 
     fn held(&self, message: jetstream::Message) -> Held {

@@ -14,6 +14,7 @@ use super::Answer;
 use super::DEFAULT_CONCURRENCY;
 use super::concurrent::settle_concurrently;
 use crate::delivery::with_delivery_count;
+use crate::metrics::ConsumerMeter;
 use crate::publish::rabbitmq::{confirmed, name, refused};
 use crate::{Disposition, DispositionExt, Payload, PayloadRef};
 
@@ -214,10 +215,12 @@ impl RabbitConsumer {
         R: DispositionExt,
     {
         let deliveries = self.consumer.clone().map(|delivery| delivery.map(Held::new));
+        let meter = ConsumerMeter::new("rabbitmq", &self.queue);
         settle_concurrently(
             deliveries,
             self.concurrency,
             self.retry_delay,
+            &meter,
             |_| None,
             |held: &Held| {
                 with_delivery_count(held.message.delivery_count, handler(held.message.clone()))
@@ -241,9 +244,15 @@ impl RabbitConsumer {
             Ok(delivery) => Held::new(delivery),
             Err(e) => return Some(Err(e)),
         };
+        let meter = ConsumerMeter::new("rabbitmq", &self.queue);
+        meter.taken(1);
         let call = handler(held.message.clone());
         let answer = Answer::of(&with_delivery_count(held.message.delivery_count, call).await);
-        Some(self.settle(held, answer).await.map(|()| answer.disposition))
+        let settled = self.settle(held, answer).await.map(|()| answer.disposition);
+        if settled.is_ok() {
+            meter.settled(answer.disposition);
+        }
+        Some(settled)
     }
 
     async fn settle(&self, mut held: Held, answer: Answer) -> lapin::Result<()> {

@@ -10,6 +10,7 @@ use tokio::time::Instant;
 
 use super::{Answer, deadline_after};
 use crate::delivery::with_delivery_count;
+use crate::metrics::ConsumerMeter;
 use crate::{Disposition, DispositionExt, Payload, PayloadRef};
 
 /// The entry field a [`StreamMessage`]'s payload is read from, unless configured.
@@ -301,6 +302,8 @@ impl StreamConsumer {
         if entries.is_empty() {
             entries = self.read().await?;
         }
+        let meter = ConsumerMeter::new("redis_streams", &self.stream);
+        meter.taken(entries.len());
         // Touched while the batch is handled; those already acked are skipped by the
         // touch script, which only touches entries still pending for this consumer.
         let unsettled: Vec<String> = entries.iter().map(|e| e.id.clone()).collect();
@@ -333,15 +336,21 @@ impl StreamConsumer {
                     .map(|s| s.entry.id.clone())
                     .collect();
                 self.ack(&acked).await?;
+                acked.iter().for_each(|_| meter.settled(Disposition::Ack));
                 polled.acked = acked;
                 for Settled { entry, answer } in settled {
                     match answer.disposition {
                         Disposition::Ack => {}
-                        Disposition::Retry => polled.retried.push(entry.id),
+                        Disposition::Retry => {
+                            meter.settled(Disposition::Retry);
+                            polled.retried.push(entry.id);
+                        }
                         Disposition::DeadLetter => {
                             if self.dead_letter(&entry.id, entry.fields).await? {
+                                meter.settled(Disposition::DeadLetter);
                                 polled.dead_lettered.push(entry.id);
                             } else {
+                                meter.let_go(1);
                                 polled.taken_over.push(entry.id);
                             }
                         }

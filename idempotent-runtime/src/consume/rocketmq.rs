@@ -22,6 +22,7 @@ use tokio::sync::{mpsc, oneshot};
 
 use super::{Answer, DEFAULT_CONCURRENCY};
 use crate::delivery::with_delivery_count;
+use crate::metrics::ConsumerMeter;
 use crate::{Disposition, DispositionExt, Payload, PayloadRef};
 
 /// What can go wrong while consuming: starting the consumer, or sending a message back
@@ -335,10 +336,12 @@ impl RocketMqConsumer {
         let mut running = start.await?;
         let mut calls = FuturesUnordered::new();
         let mut open = true;
+        let meter = Arc::new(ConsumerMeter::new("rocketmq", &self.topic));
         loop {
             tokio::select! {
                 handed = deliveries.recv(), if open => match handed {
                     Some(Handed { message, reply }) => {
+                        meter.taken(1);
                         let copy = RocketMqMessage::of(&message);
                         let count = Some(copy.delivery_count);
                         let call = with_delivery_count(count, handler(copy));
@@ -350,8 +353,9 @@ impl RocketMqConsumer {
                 // status must reach the client even if this future is dropped, or the
                 // client would send it back a second time.
                 Some((answer, message, reply)) = calls.next() => {
-                    let client = running.client.clone();
-                    drop(tokio::spawn(settle(client, self.retry_delay, answer, message, reply)));
+                    let (client, meter) = (running.client.clone(), meter.clone());
+                    let settle = settle(client, self.retry_delay, answer, message, reply, meter);
+                    drop(tokio::spawn(settle));
                 }
                 else => break,
             }
@@ -409,6 +413,7 @@ async fn settle(
     answer: Answer,
     message: MessageExt,
     reply: oneshot::Sender<ConsumeConcurrentlyStatus>,
+    meter: Arc<ConsumerMeter>,
 ) {
     let level = match answer.disposition {
         Disposition::Ack => None,
@@ -428,6 +433,11 @@ async fn settle(
             }
         }
     };
+    if status == ConsumeConcurrentlyStatus::ConsumeSuccess {
+        meter.settled(answer.disposition);
+    } else {
+        meter.let_go(1);
+    }
     // A client thread that stopped waiting has nothing left to tell.
     let _ = reply.send(status);
 }

@@ -10,7 +10,8 @@ use super::{
     Transactional, TransactionalClaim, TxSlot, begin_within, commit_if_recorded, retake, rollback,
 };
 use crate::alert::TerminalEvent;
-use crate::execute::{Call, Completed, Completion, Discarded, ResultCache, Spec, run_with};
+use crate::execute::{Call, Completed, Completion, Discarded, ResultCache, Spec, run_observed};
+use crate::metrics::CallMeter;
 use crate::{
     Claim, Error, ErrorClass, Fingerprint, Key, MysqlStore, Outcome, Store, StoreError, Token,
     Transition,
@@ -42,9 +43,7 @@ impl Transactional for MysqlStore {
             inline: self.transactional_claim() == TransactionalClaim::InTransaction,
             claimed_at: tokio::time::Instant::now(),
         };
-        let span = call.span();
-        let call = run_with(&span, call, self, completion, classify, on_terminal, body);
-        crate::trace::traced(&span, std::pin::pin!(call)).await
+        run_observed(call, self, completion, classify, on_terminal, body).await
     }
 }
 
@@ -115,6 +114,7 @@ impl Completion<MysqlStore> for InTransaction<'_> {
         token: Token,
         spec: &Spec,
         result: Option<&[u8]>,
+        _: &CallMeter,
     ) -> Completed {
         let Some(mut tx) = self.slot.take() else {
             let error = StoreError::Protocol("the handler's transaction went missing".to_owned());
