@@ -28,12 +28,16 @@
 //! the recorder in force where the call runs (the global one, or a thread's local one):
 //! install the exporter's recorder before the first call, as exporters ask anyway.
 //!
-//! A sample, as the Prometheus exporter renders it after the quickstart:
+//! A sample, as the Prometheus exporter renders it (buckets left out):
 //!
 //! ```text
-//! idempotent_calls_total{namespace="charge",outcome="processed"} 1
-//! idempotent_calls_total{namespace="charge",outcome="duplicate"} 1
-//! idempotent_claim_seconds{namespace="charge",quantile="0.5"} 0.000001
+//! idempotent_calls_total{namespace="charge",outcome="terminal_error"} 1
+//! idempotent_calls_total{namespace="charge",outcome="duplicate"} 2
+//! idempotent_calls_total{namespace="charge",outcome="processed"} 2
+//! idempotent_handler_seconds_sum{namespace="charge"} 0.000010725
+//! idempotent_handler_seconds_count{namespace="charge"} 3
+//! idempotent_claim_seconds_sum{namespace="charge"} 0.000166074
+//! idempotent_claim_seconds_count{namespace="charge"} 5
 //! ```
 
 /// Calls of `#[idempotent]` handlers, by `namespace` and `outcome`.

@@ -8,7 +8,12 @@
 //! * `key/*`: a key with two `{/json/pointer}` placeholders read from a 300-byte broker
 //!   body, and from the same body as a parsed `serde_json::Value`.
 //!
-//! `cargo bench -p idempotent-integration --bench overhead`
+//! * `metrics/*` (with `--features metrics`): the fresh-key handler with the
+//!   Prometheus exporter's recorder set for the thread, and its duplicate path.
+//!
+//! `cargo bench -p idempotent-integration --bench overhead` measures a build without
+//! metrics; `--features metrics` one with them (the `handler/*` cases then run with no
+//! recorder installed: the facade's no-op recorder).
 
 use std::hint::black_box;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -147,9 +152,39 @@ fn key(c: &mut Criterion) {
     group.finish();
 }
 
+/// The handler calls again, with the Prometheus exporter's recorder (no HTTP
+/// listener: rendering is the application's business) set for this thread.
+#[cfg(feature = "metrics")]
+fn metrics(c: &mut Criterion) {
+    let recorder = metrics_exporter_prometheus::PrometheusBuilder::new().build_recorder();
+    let handle = recorder.handle();
+    let _local = metrics::set_default_local_recorder(&recorder);
+    let rt = current_thread();
+    let mut group = c.benchmark_group("metrics");
+    group.bench_function("idempotent_fresh_key_prometheus", |b| {
+        b.to_async(&rt).iter(|| wrapped(fresh()))
+    });
+    let done = Msg { id: u64::MAX - 1 };
+    rt.block_on(async {
+        let _ = wrapped(Msg { id: done.id }).await;
+    });
+    group.bench_function("idempotent_duplicate_prometheus", |b| {
+        b.to_async(&rt).iter(|| async { black_box(wrapped(Msg { id: done.id }).await.unwrap()) })
+    });
+    group.finish();
+    let rendered = handle.render();
+    assert!(rendered.contains("idempotent_calls_total"), "nothing recorded:\n{rendered}");
+    if std::env::var_os("SHOW_METRICS").is_some() {
+        eprintln!("{rendered}");
+    }
+}
+
+#[cfg(not(feature = "metrics"))]
+fn metrics(_: &mut Criterion) {}
+
 fn current_thread() -> Runtime {
     tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap()
 }
 
-criterion_group!(benches, store, handler, key);
+criterion_group!(benches, store, handler, key, metrics);
 criterion_main!(benches);
