@@ -61,6 +61,7 @@ where
     R: DispositionExt,
     T: FnMut(D, Answer) -> TF,
     TF: Future<Output = Result<X, E>>,
+    X: SettledAs,
 {
     let concurrency = concurrency.max(1);
     let mut deliveries = std::pin::pin!(deliveries.fuse());
@@ -149,7 +150,7 @@ where
                 }
                 Step::Settled { lane, disposition, result } => {
                     match &result {
-                        Ok(()) => meter.settled(disposition),
+                        Ok(done) => meter.settled(*done),
                         Err(_) => meter.let_go(1),
                     }
                     if let Err(error) = result {
@@ -184,12 +185,33 @@ where
 }
 
 /// A settle, as a step of the loop.
-async fn settling<D, E, X>(
+async fn settling<D, E, X: SettledAs>(
     lane: Option<u64>,
     disposition: Disposition,
     settled: impl Future<Output = Result<X, E>>,
 ) -> Step<D, E> {
-    Step::Settled { lane, disposition, result: settled.await.map(drop) }
+    let result = settled.await.map(|done| done.settled_as(disposition));
+    Step::Settled { lane, disposition, result }
+}
+
+/// What a settle answers: how the delivery was settled in the end.
+pub(crate) trait SettledAs {
+    /// The disposition carried out, for a delivery whose call answered `asked`.
+    fn settled_as(&self, asked: Disposition) -> Disposition;
+}
+
+/// As the call answered.
+impl SettledAs for () {
+    fn settled_as(&self, asked: Disposition) -> Disposition {
+        asked
+    }
+}
+
+/// As the settle says (NATS dead-letters a retry at its last delivery).
+impl SettledAs for Disposition {
+    fn settled_as(&self, _: Disposition) -> Disposition {
+        *self
+    }
 }
 
 /// A delivery whose call answered `InProgress`, waiting to be called again.
@@ -210,8 +232,18 @@ struct Calls {
 }
 
 enum Step<D, E> {
-    Called { seq: u64, delivery: D, answer: Answer, again: bool },
-    Settled { lane: Option<u64>, disposition: Disposition, result: Result<(), E> },
+    Called {
+        seq: u64,
+        delivery: D,
+        answer: Answer,
+        again: bool,
+    },
+    /// `disposition` as the call answered; `result` as the settle carried it out.
+    Settled {
+        lane: Option<u64>,
+        disposition: Disposition,
+        result: Result<Disposition, E>,
+    },
 }
 
 #[cfg(test)]
