@@ -439,7 +439,10 @@ where
     check_timer().map_err(|reason| Error::Runtime { reason, retry_after: early() })?;
     let first_renewal = claimed_at + renewal_period(spec.lease);
     let answer = completion.claim(store, &key, &spec, fingerprint.as_ref()).await;
-    meter.claimed(claimed_at);
+    if !matches!(answer, Ok(Claim::Won { .. })) {
+        // A won claim's time is taken when the body starts, with the same clock read.
+        meter.claimed(claimed_at);
+    }
     let (token, attempt) = match answer {
         Ok(Claim::Won { token, attempt }) => {
             span.record("attempt", attempt);
@@ -474,6 +477,7 @@ where
         // Every allowed attempt was started and none finished (each crashed, panicked
         // or was cancelled). Stop the loop here instead of running the handler again.
         let attempts = attempt - 1;
+        meter.claimed(claimed_at);
         // What the completion holds (a pooled connection) goes back first: the FAILED
         // record may need it.
         match completion.discard(store, &key, &spec, fingerprint).await {
@@ -494,13 +498,14 @@ where
     let committed = completion.claim_committed();
     let mut abandon = AbandonOnDrop { store, key: &key, token, armed: committed };
     if let Err(error) = completion.begin(store, &spec).await {
+        meter.claimed(claimed_at);
         meter.store_failed(Operation::Begin);
         let _ = claim.release().await;
         abandon.disarm();
         return Err(Error::Store { error, handler_ran: false, retry_after: later() });
     }
     let current = Current { key: key.clone(), attempt, token };
-    let started = meter.now();
+    let started = meter.started(claimed_at);
     let run = {
         // The wrappers hold the body through a pinned reference rather than copy it;
         // the body itself is dropped at the end of this block, as soon as it stops

@@ -109,7 +109,6 @@ impl Operation {
 mod measured {
     use metrics::{Counter, Gauge, Histogram, Label, Recorder, SharedString, Unit};
     use std::cell::RefCell;
-    use std::collections::HashMap;
     use std::sync::atomic::{AtomicU64, Ordering};
     use std::sync::{Arc, OnceLock};
     use tokio::time::Instant;
@@ -211,11 +210,13 @@ mod measured {
         })
     }
 
-    /// Per thread: the recorder the handles were registered with, and the handles.
-    type Cache = (usize, HashMap<Box<str>, Arc<Namespace>>);
+    /// Per thread: the recorder the handles were registered with, and the handles by
+    /// namespace, the one used last first. A thread serves a few namespaces, mostly
+    /// one after another: comparing a few short strings costs less than hashing one.
+    type Cache = (usize, Vec<(Box<str>, Arc<Namespace>)>);
 
     thread_local! {
-        static CACHE: RefCell<Cache> = RefCell::new((0, HashMap::new()));
+        static CACHE: RefCell<Cache> = const { RefCell::new((0, Vec::new())) };
     }
 
     fn namespace(name: &str) -> Arc<Namespace> {
@@ -226,12 +227,12 @@ mod measured {
                 handles.clear();
                 *registered_with = recorder;
             }
-            if let Some(found) = handles.get(name) {
-                return Arc::clone(found);
+            match handles.iter().position(|(known, _)| **known == *name) {
+                Some(0) => {}
+                Some(found) => handles[..=found].rotate_right(1),
+                None => handles.insert(0, (name.into(), Arc::new(Namespace::register(name)))),
             }
-            let registered = Arc::new(Namespace::register(name));
-            handles.insert(name.into(), Arc::clone(&registered));
-            registered
+            Arc::clone(&handles[0].1)
         })
     }
 
@@ -244,17 +245,21 @@ mod measured {
             CallMeter(key.map(|key| namespace(key.namespace())))
         }
 
-        /// The clock reading durations are measured from.
-        #[inline]
-        pub(crate) fn now(&self) -> Option<Instant> {
-            Some(Instant::now())
-        }
-
-        /// The claim sent at `sent` has answered.
+        /// The claim sent at `sent` has answered, and the handler will not run.
         pub(crate) fn claimed(&self, sent: Instant) {
             if let Some(namespace) = &self.0 {
                 namespace.claim.record(sent.elapsed());
             }
+        }
+
+        /// The claim sent at `sent` was won and the body starts now: the claim's time
+        /// runs up to here (for a transactional handler, its transaction's start
+        /// included). Answers when the body started.
+        pub(crate) fn started(&self, sent: Instant) -> Option<Instant> {
+            let namespace = self.0.as_ref()?;
+            let now = Instant::now();
+            namespace.claim.record(now.saturating_duration_since(sent));
+            Some(now)
         }
 
         /// The handler body started at `started` has stopped.
@@ -403,11 +408,11 @@ mod unmeasured {
             CallMeter
         }
         #[inline]
-        pub(crate) fn now(&self) -> Option<tokio::time::Instant> {
+        pub(crate) fn claimed(&self, _: tokio::time::Instant) {}
+        #[inline]
+        pub(crate) fn started(&self, _: tokio::time::Instant) -> Option<tokio::time::Instant> {
             None
         }
-        #[inline]
-        pub(crate) fn claimed(&self, _: tokio::time::Instant) {}
         #[inline]
         pub(crate) fn handled(&self, _: Option<tokio::time::Instant>) {}
         #[inline]

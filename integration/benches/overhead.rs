@@ -156,7 +156,12 @@ fn key(c: &mut Criterion) {
 /// listener: rendering is the application's business) set for this thread.
 #[cfg(feature = "metrics")]
 fn metrics(c: &mut Criterion) {
-    let recorder = metrics_exporter_prometheus::PrometheusBuilder::new().build_recorder();
+    // Histograms as buckets, as most Prometheus setups have them (the exporter's
+    // default, summaries, keeps a sketch per histogram and costs more per value).
+    let recorder = metrics_exporter_prometheus::PrometheusBuilder::new()
+        .set_buckets(&[0.000_01, 0.000_1, 0.001, 0.01, 0.1, 1.0])
+        .unwrap()
+        .build_recorder();
     let handle = recorder.handle();
     let _local = metrics::set_default_local_recorder(&recorder);
     let rt = current_thread();
