@@ -10,6 +10,7 @@ use hashbrown::HashTable;
 use parking_lot::Mutex;
 use tokio::time::Instant;
 
+use super::admin;
 use crate::{Claim, Fingerprint, Key, Store, StoreError, Token, Transition, claim_retention};
 
 const SHARDS: usize = 64;
@@ -223,12 +224,21 @@ impl MemoryStore {
     /// Drops every expired record now, in time proportional to their number (plus the
     /// records queued in the current 134 ms slot).
     pub fn purge_expired(&self) {
+        self.purge_counted();
+    }
+
+    /// [`purge_expired`](MemoryStore::purge_expired), answering how many records it
+    /// dropped.
+    fn purge_counted(&self) -> usize {
         let now = self.now();
+        let mut total = 0;
         for shard in self.shards.iter() {
             let mut shard = shard.lock();
             let dropped = shard.expire(now, usize::MAX) + shard.expire_current(now);
             self.forget(dropped);
+            total += dropped;
         }
+        total
     }
 
     /// Drops the expired records of every slot that has passed (not those of the
@@ -515,6 +525,134 @@ impl Store for MemoryStore {
     }
 }
 
+/// Keys are listed in byte order; a cursor is the last key listed, in hex. Each page
+/// looks at every record held (the store is in memory), keeping only the page's.
+#[async_trait]
+impl admin::Admin for MemoryStore {
+    async fn inspect(&self, key: &Key) -> Result<Option<admin::Record>, StoreError> {
+        let now = self.now();
+        let hash = self.hasher.hash_one(key.as_bytes());
+        let mut shard = self.shards[(hash >> 32) as usize % SHARDS].lock();
+        Ok(shard.find(hash, key).and_then(|entry| entry.admin_record(now)))
+    }
+
+    async fn list(
+        &self,
+        filter: &admin::Filter,
+        cursor: Option<&str>,
+        limit: usize,
+    ) -> Result<admin::Page, StoreError> {
+        let after = cursor.map(admin::unhex).transpose()?;
+        let now = self.now();
+        // The `limit + 1` smallest keys after the cursor, to know whether more follow.
+        let mut page = BTreeMap::<Vec<u8>, admin::Record>::new();
+        for shard in self.shards.iter() {
+            let shard = shard.lock();
+            for entry in shard.records.iter() {
+                let key = entry.key.as_bytes();
+                if after.as_deref().is_some_and(|after| key <= after)
+                    || page.len() > limit
+                        && page.last_key_value().is_some_and(|(k, _)| key >= &k[..])
+                {
+                    continue;
+                }
+                let Some(record) = entry.admin_record(now).filter(|r| r.matches(filter)) else {
+                    continue;
+                };
+                page.insert(key.to_vec(), record);
+                if page.len() > limit + 1 {
+                    page.pop_last();
+                }
+            }
+        }
+        let more = page.len() > limit;
+        let records: Vec<admin::Record> = page.into_values().take(limit).collect();
+        let next = match records.last() {
+            Some(last) if more => Some(admin::hex(&last.key)),
+            _ => None,
+        };
+        Ok(admin::Page { records, next })
+    }
+
+    async fn release(&self, key: &Key, force: bool) -> Result<admin::Released, StoreError> {
+        let now = self.now();
+        let hash = self.hasher.hash_one(key.as_bytes());
+        let mut shard = self.shards[(hash >> 32) as usize % SHARDS].lock();
+        let same = |e: &Entry| e.hash == hash && e.key.as_bytes() == key.as_bytes();
+        let Ok(entry) = shard.records.find_entry(hash, same) else {
+            return Ok(admin::Released::NotFound);
+        };
+        let Some(record) = entry.get().admin_record(now) else {
+            return Ok(admin::Released::NotFound);
+        };
+        if !force {
+            if let Some(why) = admin::refusal(record.state, record.lease_left) {
+                return Ok(admin::Released::Refused(why));
+            }
+        }
+        // Its queue entry is left behind: a stale entry finds no record and is skipped.
+        entry.remove();
+        self.forget(1);
+        Ok(admin::Released::Released)
+    }
+
+    async fn purge(&self) -> Result<u64, StoreError> {
+        Ok(self.purge_counted() as u64)
+    }
+
+    async fn stats(
+        &self,
+        filter: &admin::Filter,
+    ) -> Result<Vec<(String, admin::State, u64)>, StoreError> {
+        let now = self.now();
+        let mut records = Vec::new();
+        for shard in self.shards.iter() {
+            let shard = shard.lock();
+            records.extend(
+                shard
+                    .records
+                    .iter()
+                    .filter_map(|e| e.admin_record(now))
+                    .filter(|r| r.matches(filter)),
+            );
+        }
+        Ok(admin::tally(&records))
+    }
+}
+
+impl Entry {
+    /// The record as [`admin`] shows it; `None` once it has expired.
+    fn admin_record(&self, now: Tick) -> Option<admin::Record> {
+        let record = &self.record;
+        if record.expires_at <= now {
+            return None;
+        }
+        let key = self.key.as_bytes();
+        let (namespace, id) = admin::Record::split(key);
+        let (state, lease_left, result_len) = match &record.state {
+            State::InProgress { lease_until, .. } => (
+                admin::State::InProgress,
+                (*lease_until > now).then(|| Duration::from_nanos(lease_until - now)),
+                None,
+            ),
+            State::Released => (admin::State::Released, None, None),
+            State::Done(result) => (admin::State::Done, None, result.as_ref().map(|r| r.len())),
+            State::Failed => (admin::State::Failed, None, None),
+        };
+        Some(admin::Record {
+            key: key.to_vec(),
+            namespace,
+            id,
+            state,
+            attempts: record.attempts,
+            lease_left,
+            ttl_left: Some(Duration::from_nanos(record.expires_at - now)),
+            fingerprint: record.fingerprint.as_ref().map(|f| f.to_string()),
+            result_len,
+        })
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -527,6 +665,65 @@ mod tests {
             Claim::Won { token, attempt } => (token, attempt),
             other => panic!("expected a won claim, got {other:?}"),
         }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn admin_lists_in_pages_releases_and_purges() {
+        use admin::{Admin, Filter, Released, State};
+
+        let store = MemoryStore::new();
+        let key = |ns: &str, i: usize| Key::new(ns, i.to_string()).unwrap();
+        for i in 0..10 {
+            let (token, _) = won(store.claim(&key("a", i), LEASE, TTL, None).await.unwrap());
+            if i % 2 == 0 {
+                let _ = store.complete(&key("a", i), token, TTL, Some(b"r")).await.unwrap();
+            }
+            let _ = store.claim(&key("b", i), LEASE, Duration::from_secs(1), None).await.unwrap();
+        }
+        let filter = Filter { namespace: Some("a".to_owned()), state: None };
+        let (mut seen, mut cursor) = (Vec::new(), None);
+        loop {
+            let page = store.list(&filter, cursor.as_deref(), 3).await.unwrap();
+            assert!(page.records.len() <= 3);
+            seen.extend(page.records.into_iter().map(|r| r.key));
+            match page.next {
+                Some(next) => cursor = Some(next),
+                None => break,
+            }
+        }
+        let mut want: Vec<Vec<u8>> = (0..10).map(|i| key("a", i).as_bytes().to_vec()).collect();
+        want.sort();
+        assert_eq!(seen, want);
+        let stats = store.stats(&Filter::default()).await.unwrap();
+        assert_eq!(
+            stats,
+            vec![
+                ("a".to_owned(), State::InProgress, 5),
+                ("a".to_owned(), State::Done, 5),
+                ("b".to_owned(), State::InProgress, 10),
+            ]
+        );
+
+        let done = store.inspect(&key("a", 0)).await.unwrap().unwrap();
+        assert_eq!((done.state, done.result_len), (State::Done, Some(1)));
+        assert!(matches!(
+            Admin::release(&store, &key("a", 0), false).await.unwrap(),
+            Released::Refused(_)
+        ));
+        assert!(matches!(
+            Admin::release(&store, &key("a", 1), false).await.unwrap(),
+            Released::Refused(_)
+        ));
+        assert_eq!(Admin::release(&store, &key("a", 1), true).await.unwrap(), Released::Released);
+        tokio::time::advance(LEASE + Duration::from_millis(1)).await;
+        // The lease lapsed: no force needed. The `b` records (retained for one lease
+        // past it) are still there.
+        assert_eq!(store.inspect(&key("a", 3)).await.unwrap().unwrap().lease_left, None);
+        assert_eq!(Admin::release(&store, &key("a", 3), false).await.unwrap(), Released::Released);
+        assert_eq!(Admin::release(&store, &key("a", 3), false).await.unwrap(), Released::NotFound);
+        tokio::time::advance(LEASE).await;
+        assert_eq!(store.purge().await.unwrap(), 10);
+        assert_eq!(store.len(), 8);
     }
 
     #[tokio::test(start_paused = true)]

@@ -1,5 +1,6 @@
 //! Where idempotency records live: the [`Store`] trait and its implementations.
 //!
+//! * [`admin`]: [`Admin`](admin::Admin), to inspect, list, release and count records.
 //! * [`memory`]: [`MemoryStore`](memory::MemoryStore), in process.
 //! * [`none`]: [`NoStore`](none::NoStore), no records, for handlers guarded by
 //!   business state.
@@ -18,6 +19,7 @@ use async_trait::async_trait;
 
 use crate::{Fingerprint, Key, StoreError};
 
+pub mod admin;
 pub mod memory;
 #[cfg(feature = "mysql")]
 #[cfg_attr(docsrs, doc(cfg(feature = "mysql")))]

@@ -7,6 +7,7 @@ use async_trait::async_trait;
 use sqlx::postgres::{PgConnection, PgExecutor, PgPool, PgPoolOptions};
 use sqlx::{AssertSqlSafe, SqlSafeStr, SqlStr};
 
+use super::admin;
 use super::sql::{self, PurgeSchedule, millis};
 use crate::{Claim, Fingerprint, Key, Store, StoreError, Token, Transition};
 
@@ -559,6 +560,184 @@ fn advisory_lock_id(table: &str, stored: &[u8]) -> i64 {
         hash = (hash ^ u64::from(byte)).wrapping_mul(0x0100_0000_01b3);
     }
     hash as i64
+}
+
+/// The columns [`Admin`](admin::Admin) reads, against the server's clock: key, state,
+/// attempts, lease ms left (live leases only), ttl ms left, fingerprint, result length.
+const ADMIN_COLUMNS: &str = "key, state, attempts,
+    CASE WHEN state = 'P' AND lease_until > clock_timestamp()
+         THEN ceil(extract(epoch FROM lease_until - clock_timestamp()) * 1000)::bigint END,
+    GREATEST(0, ceil(extract(epoch FROM expires_at - clock_timestamp()) * 1000))::bigint,
+    fingerprint, octet_length(result)";
+
+type AdminRow = (Vec<u8>, i8, i32, Option<i64>, i64, Option<Vec<u8>>, Option<i32>);
+
+fn admin_record(row: AdminRow) -> Result<admin::Record, StoreError> {
+    let (key, state, attempts, lease_ms, ttl_ms, fingerprint, result_len) = row;
+    let state = admin::State::from_letter(state as u8)
+        .ok_or_else(|| StoreError::Protocol(format!("record state {state} in the table")))?;
+    let (namespace, id) = admin::Record::split(&key);
+    let millis = |ms: i64| Duration::from_millis(u64::try_from(ms).unwrap_or(0));
+    Ok(admin::Record {
+        key,
+        namespace,
+        id,
+        state,
+        attempts: u32::try_from(attempts).unwrap_or(0),
+        lease_left: lease_ms.map(millis),
+        ttl_left: Some(millis(ttl_ms)),
+        fingerprint: fingerprint.map(|f| admin::hex(&f)),
+        result_len: result_len.map(|n| usize::try_from(n).unwrap_or(0)),
+    })
+}
+
+/// The key range of a namespace: from `ns:` up to, not including, `ns;` (`;` follows
+/// `:`), so the primary key's index serves it.
+fn namespace_range(namespace: Option<&str>) -> (Option<Vec<u8>>, Option<Vec<u8>>) {
+    match namespace {
+        Some(ns) => (Some(format!("{ns}:").into_bytes()), Some(format!("{ns};").into_bytes())),
+        None => (None, None),
+    }
+}
+
+/// Reads the server's clock (`clock_timestamp()`). `list` walks the primary key
+/// (keyset pagination: the cursor is the last key listed); `release` is one
+/// `DELETE ... WHERE` the record may go; `purge` deletes expired records
+/// [`PURGE_BATCH`] at a time until none are left.
+#[async_trait]
+impl admin::Admin for PostgresStore {
+    async fn inspect(&self, key: &Key) -> Result<Option<admin::Record>, StoreError> {
+        let t = &self.sql.table;
+        let row: Option<AdminRow> = sqlx::query_as(AssertSqlSafe(format!(
+            "SELECT {ADMIN_COLUMNS} FROM {t} WHERE key = $1 AND expires_at > clock_timestamp()"
+        )))
+        .bind(key.stored().as_ref())
+        .fetch_optional(&self.pool)
+        .await
+        .map_err(sql::store_error)?;
+        row.map(admin_record).transpose()
+    }
+
+    async fn list(
+        &self,
+        filter: &admin::Filter,
+        cursor: Option<&str>,
+        limit: usize,
+    ) -> Result<admin::Page, StoreError> {
+        let t = &self.sql.table;
+        let after = cursor.map(admin::unhex).transpose()?;
+        let (from, to) = namespace_range(filter.namespace.as_deref());
+        let limit = limit.max(1);
+        let rows: Vec<AdminRow> = sqlx::query_as(AssertSqlSafe(format!(
+            "SELECT {ADMIN_COLUMNS} FROM {t}
+WHERE expires_at > clock_timestamp()
+  AND ($1::bytea IS NULL OR key > $1) AND ($2::bytea IS NULL OR key >= $2)
+  AND ($3::bytea IS NULL OR key < $3) AND ($4::\"char\" IS NULL OR state = $4)
+ORDER BY key LIMIT $5"
+        )))
+        .bind(after)
+        .bind(from)
+        .bind(to)
+        .bind(filter.state.map(|s| s.letter() as i8))
+        .bind(i64::try_from(limit).unwrap_or(i64::MAX).saturating_add(1))
+        .fetch_all(&self.pool)
+        .await
+        .map_err(sql::store_error)?;
+        let more = rows.len() > limit;
+        let records =
+            rows.into_iter().take(limit).map(admin_record).collect::<Result<Vec<_>, _>>()?;
+        let next = match records.last() {
+            Some(last) if more => Some(admin::hex(&last.key)),
+            _ => None,
+        };
+        Ok(admin::Page { records, next })
+    }
+
+    async fn release(&self, key: &Key, force: bool) -> Result<admin::Released, StoreError> {
+        let t = &self.sql.table;
+        // The condition is checked by the DELETE itself, on the row's latest version
+        // (a concurrent change makes PostgreSQL check it again); the read beside it
+        // sees the record as it was, to say why it stayed.
+        let row: (i64, Option<i8>, Option<bool>, Option<i64>) =
+            sqlx::query_as(AssertSqlSafe(format!(
+                "WITH gone AS (
+    DELETE FROM {t} WHERE key = $1
+      AND ($2 OR expires_at <= clock_timestamp() OR state IN ('F', 'R')
+           OR (state = 'P' AND lease_until <= clock_timestamp()))
+    RETURNING expires_at > clock_timestamp() AS live
+)
+SELECT (SELECT count(*) FROM gone WHERE live), r.state, r.expires_at > clock_timestamp(),
+       CASE WHEN r.state = 'P' AND r.lease_until > clock_timestamp()
+            THEN ceil(extract(epoch FROM r.lease_until - clock_timestamp()) * 1000)::bigint END
+FROM (SELECT) AS one LEFT JOIN {t} r ON r.key = $1"
+            )))
+            .bind(key.stored().as_ref())
+            .bind(force)
+            .fetch_one(&self.pool)
+            .await
+            .map_err(sql::store_error)?;
+        let (deleted, state, live, lease_ms) = row;
+        if deleted > 0 {
+            return Ok(admin::Released::Released);
+        }
+        let state = match (state, live) {
+            (Some(state), Some(true)) => admin::State::from_letter(state as u8),
+            _ => return Ok(admin::Released::NotFound),
+        };
+        let lease_left = lease_ms.map(|ms| Duration::from_millis(u64::try_from(ms).unwrap_or(0)));
+        match state.and_then(|state| admin::refusal(state, lease_left)) {
+            Some(why) => Ok(admin::Released::Refused(why)),
+            // Changed between the DELETE's check and the read (it went or was taken
+            // over): nothing was deleted; the caller may ask again.
+            None => Ok(admin::Released::Refused(
+                "the record changed while it was being released: try again".to_owned(),
+            )),
+        }
+    }
+
+    async fn purge(&self) -> Result<u64, StoreError> {
+        let mut total = 0;
+        loop {
+            let purged = self.purge_expired(PURGE_BATCH).await?;
+            total += purged;
+            if purged < PURGE_BATCH as u64 {
+                return Ok(total);
+            }
+        }
+    }
+
+    async fn stats(
+        &self,
+        filter: &admin::Filter,
+    ) -> Result<Vec<(String, admin::State, u64)>, StoreError> {
+        let t = &self.sql.table;
+        let (from, to) = namespace_range(filter.namespace.as_deref());
+        // The namespace is the key up to its first ':' (0x3a).
+        let rows: Vec<(Vec<u8>, i8, i64)> = sqlx::query_as(AssertSqlSafe(format!(
+            "SELECT substring(key FROM 1 FOR GREATEST(position('\\x3a'::bytea IN key) - 1, 0)),
+       state, count(*)
+FROM {t}
+WHERE expires_at > clock_timestamp() AND ($1::bytea IS NULL OR key >= $1)
+  AND ($2::bytea IS NULL OR key < $2) AND ($3::\"char\" IS NULL OR state = $3)
+GROUP BY 1, 2"
+        )))
+        .bind(from)
+        .bind(to)
+        .bind(filter.state.map(|s| s.letter() as i8))
+        .fetch_all(&self.pool)
+        .await
+        .map_err(sql::store_error)?;
+        let mut stats = Vec::with_capacity(rows.len());
+        for (namespace, state, count) in rows {
+            let state = admin::State::from_letter(state as u8).ok_or_else(|| {
+                StoreError::Protocol(format!("record state {state} in the table"))
+            })?;
+            let namespace = String::from_utf8_lossy(&namespace).into_owned();
+            stats.push((namespace, state, u64::try_from(count).unwrap_or(0)));
+        }
+        stats.sort();
+        Ok(stats)
+    }
 }
 
 #[async_trait]

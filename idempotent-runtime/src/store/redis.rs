@@ -11,6 +11,7 @@ use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use redis::cluster_async::ClusterConnection;
 use redis::{IntoConnectionInfo, RedisError, Script};
 
+use super::admin;
 use crate::{Claim, Fingerprint, Key, Store, StoreError, Token, Transition};
 
 /// The default key prefix: records live at `idempotent:{namespace}:{id}`.
@@ -124,12 +125,58 @@ redis.call('SET', KEYS[1], string.sub(r, 1, 34) .. (keep - tonumber(ARGV[2])) ..
 return 1
 ";
 
+/// [`Admin::inspect`](admin::Admin::inspect)'s script: a record's head (its first 256
+/// bytes, which hold every field but the cached result), its length, its PTTL and the
+/// server's time in ms (for first-format lease deadlines). Returns an empty array for
+/// no key and `{'T'}` for a key that is not a string.
+pub const INSPECT_SCRIPT: &str = r"
+local t = redis.call('TYPE', KEYS[1])['ok']
+if t == 'none' then return {} end
+if t ~= 'string' then return {'T'} end
+local now = redis.call('TIME')
+return {redis.call('GETRANGE', KEYS[1], 0, 255), redis.call('STRLEN', KEYS[1]),
+  redis.call('PTTL', KEYS[1]), tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000)}
+";
+
+/// [`Admin::release`](admin::Admin::release)'s script: deletes the record unless it is
+/// DONE or in progress with a live lease, or whatever it holds when ARGV[1] is `1`
+/// (force). Returns `{'X'}` (deleted), `{'N'}` (no record), `{'D'}` (done), `{'P', lease
+/// ms left}` or `{'U'}` (unreadable). Reads both record formats.
+pub const ADMIN_RELEASE_SCRIPT: &str = r"
+local r = redis.call('GET', KEYS[1])
+if not r then return {'N'} end
+if ARGV[1] ~= '1' then
+  local head = string.sub(r, 1, 256)
+  local s, t, held = string.match(head, '^(%u)(%S+) (%d+) %d+ %S+ ')
+  local deadline
+  if not s then
+    s, deadline = string.match(head, '^(%u) %d+ (%d+) %S+ %S+ ')
+    if not s then return {'U'} end
+  end
+  if s == 'D' then return {'D'} end
+  if s == 'P' then
+    local left
+    if deadline then
+      local now = redis.call('TIME')
+      left = tonumber(deadline) - (tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000))
+    else
+      left = redis.call('PTTL', KEYS[1]) - tonumber(held)
+    end
+    if left > 0 then return {'P', left} end
+  end
+end
+redis.call('DEL', KEYS[1])
+return {'X'}
+";
+
 /// The scripts, hashed once; run with EVALSHA, loaded on NOSCRIPT.
 struct Scripts {
     claim: Script,
     finish: Script,
     release: Script,
     renew: Script,
+    inspect: Script,
+    admin_release: Script,
 }
 
 static SCRIPTS: LazyLock<Scripts> = LazyLock::new(|| Scripts {
@@ -137,6 +184,8 @@ static SCRIPTS: LazyLock<Scripts> = LazyLock::new(|| Scripts {
     finish: Script::new(FINISH_SCRIPT),
     release: Script::new(RELEASE_SCRIPT),
     renew: Script::new(RENEW_SCRIPT),
+    inspect: Script::new(INSPECT_SCRIPT),
+    admin_release: Script::new(ADMIN_RELEASE_SCRIPT),
 });
 
 /// Records in Redis (standalone or Cluster), built on the `redis` crate's
@@ -287,8 +336,18 @@ impl RedisStore {
         key: &Key,
         args: &[&[u8]],
     ) -> Result<T, StoreError> {
+        self.invoke_at(script, &self.redis_key(key), args).await
+    }
+
+    /// [`invoke`](RedisStore::invoke) on a Redis key as it is.
+    async fn invoke_at<T: redis::FromRedisValue>(
+        &self,
+        script: &Script,
+        redis_key: &[u8],
+        args: &[&[u8]],
+    ) -> Result<T, StoreError> {
         let mut invocation = script.prepare_invoke();
-        invocation.key(self.redis_key(key));
+        invocation.key(redis_key);
         for arg in args {
             invocation.arg(*arg);
         }
@@ -541,6 +600,341 @@ impl Store for RedisStore {
     }
 }
 
+/// How many SCAN calls' worth of slots (their `COUNT`s added up) one page of
+/// [`Admin::list`](admin::Admin::list) looks at, at most, before it returns what it
+/// found: a filter that few records pass does not make one call read the whole store.
+const LIST_SCAN_BUDGET: usize = 10_000;
+
+/// How many records one page reads at once.
+const LIST_READS_IN_FLIGHT: usize = 64;
+
+/// Where a listing stands: the node being scanned (standalone: 0; Cluster: the lowest
+/// slot its master serves), its SCAN cursor, and keys a SCAN returned beyond the page.
+/// `node` is `None` once every node has been scanned.
+#[derive(Debug, Clone, PartialEq)]
+struct ListCursor {
+    node: Option<u16>,
+    scan: u64,
+    pending: std::collections::VecDeque<Vec<u8>>,
+}
+
+impl ListCursor {
+    /// `{node}:{scan cursor}:{pending keys in hex, comma-separated}`, `-` for no node.
+    fn encode(&self) -> String {
+        let node = self.node.map_or_else(|| "-".to_owned(), |n| n.to_string());
+        let pending: Vec<String> = self.pending.iter().map(|k| admin::hex(k)).collect();
+        format!("{node}:{}:{}", self.scan, pending.join(","))
+    }
+
+    fn decode(text: &str) -> Result<ListCursor, StoreError> {
+        let bad = || StoreError::Protocol(format!("`{text}` is not a cursor `list` gave"));
+        let mut parts = text.splitn(3, ':');
+        let (node, scan, pending) = (
+            parts.next().ok_or_else(bad)?,
+            parts.next().ok_or_else(bad)?,
+            parts.next().ok_or_else(bad)?,
+        );
+        let node = match node {
+            "-" => None,
+            n => Some(n.parse().map_err(|_| bad())?),
+        };
+        let scan = scan.parse().map_err(|_| bad())?;
+        let pending = pending
+            .split(',')
+            .filter(|k| !k.is_empty())
+            .map(admin::unhex)
+            .collect::<Result<_, _>>()?;
+        Ok(ListCursor { node, scan, pending })
+    }
+}
+
+/// A glob pattern matching `text` literally.
+fn glob_escape(text: &[u8]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(text.len());
+    for &b in text {
+        if matches!(b, b'*' | b'?' | b'[' | b']' | b'\\') {
+            out.push(b'\\');
+        }
+        out.push(b);
+    }
+    out
+}
+
+/// A record from what [`INSPECT_SCRIPT`] read: `stored` is the Redis key without the
+/// prefix, `head` the record's first bytes, `len` its length, `pttl` the key's and
+/// `now` the server's time in ms. `None` for a record in neither format.
+fn read_record(
+    stored: &[u8],
+    head: &[u8],
+    len: usize,
+    pttl: i64,
+    now: i64,
+) -> Option<admin::Record> {
+    let (&letter, rest) = head.split_first()?;
+    let state = admin::State::from_letter(letter)?;
+    let digits = |f: &[u8]| !f.is_empty() && f.len() <= 20 && f.iter().all(u8::is_ascii_digit);
+    let number = |f: &[u8]| -> Option<i64> { std::str::from_utf8(f).ok()?.parse().ok() };
+    let (attempts, fingerprint, lease_left, offset);
+    if rest.first() == Some(&b' ') {
+        // The first format: "<state> <attempts> <lease deadline ms> <token> <fingerprint> <result>".
+        let mut fields = rest[1..].splitn(5, |&b| b == b' ');
+        let (a, deadline, token, fp) =
+            (fields.next()?, fields.next()?, fields.next()?, fields.next()?);
+        fields.next()?;
+        if !digits(a) || !digits(deadline) || token.is_empty() || fp.is_empty() {
+            return None;
+        }
+        attempts = a;
+        fingerprint = fp;
+        lease_left = number(deadline)? - now;
+        offset = 2 + a.len() + deadline.len() + token.len() + fp.len() + 4;
+    } else {
+        // "<state><token> <held> <attempts> <fingerprint> <result>".
+        let mut fields = rest.splitn(5, |&b| b == b' ');
+        let (token, held, a, fp) = (fields.next()?, fields.next()?, fields.next()?, fields.next()?);
+        fields.next()?;
+        if token.is_empty() || !digits(held) || !digits(a) || fp.is_empty() {
+            return None;
+        }
+        attempts = a;
+        fingerprint = fp;
+        lease_left = pttl - number(held)?;
+        offset = 1 + token.len() + held.len() + a.len() + fp.len() + 4;
+    }
+    let (namespace, id) = admin::Record::split(stored);
+    let millis = |ms: i64| Duration::from_millis(u64::try_from(ms).unwrap_or(0));
+    Some(admin::Record {
+        key: stored.to_vec(),
+        namespace,
+        id,
+        state,
+        attempts: std::str::from_utf8(attempts).ok()?.parse().ok()?,
+        lease_left: (state == admin::State::InProgress && lease_left > 0)
+            .then(|| millis(lease_left)),
+        ttl_left: (pttl >= 0).then(|| millis(pttl)),
+        fingerprint: (fingerprint != b"-")
+            .then(|| String::from_utf8_lossy(fingerprint).into_owned()),
+        result_len: (state == admin::State::Done && len > offset).then(|| len - offset),
+    })
+}
+
+/// What [`INSPECT_SCRIPT`] found at a key.
+enum Found {
+    Nothing,
+    Record(admin::Record),
+    /// A key of another type, or a string in neither record format.
+    Foreign(&'static str),
+}
+
+impl RedisStore {
+    /// Reads the record at `redis_key` (which starts with the prefix and `:`).
+    async fn read_at(&self, redis_key: &[u8]) -> Result<Found, StoreError> {
+        let reply: Vec<redis::Value> = self.invoke_at(&SCRIPTS.inspect, redis_key, &[]).await?;
+        let parse_error = |e: redis::ParsingError| StoreError::Protocol(e.to_string());
+        let field = |i: usize| reply.get(i).cloned().unwrap_or(redis::Value::Nil);
+        match reply.len() {
+            0 => return Ok(Found::Nothing),
+            1 => return Ok(Found::Foreign("a key of another type than string")),
+            _ => {}
+        }
+        let head: Vec<u8> = redis::from_redis_value(field(0)).map_err(parse_error)?;
+        let len: usize = redis::from_redis_value(field(1)).map_err(parse_error)?;
+        let pttl: i64 = redis::from_redis_value(field(2)).map_err(parse_error)?;
+        let now: i64 = redis::from_redis_value(field(3)).map_err(parse_error)?;
+        if pttl == -2 {
+            return Ok(Found::Nothing);
+        }
+        let stored = redis_key.get(self.prefix.len() + 1..).unwrap_or_default();
+        Ok(match read_record(stored, &head, len, pttl, now) {
+            Some(record) => Found::Record(record),
+            None => Found::Foreign("a string in no record format this version reads"),
+        })
+    }
+
+    /// The nodes a listing scans, in order: `[0]` for standalone Redis; for a Cluster,
+    /// each master as the lowest slot it serves.
+    async fn list_nodes(&self) -> Result<Vec<u16>, StoreError> {
+        let Connection::Cluster(c) = &self.connection else { return Ok(vec![0]) };
+        let slots: Vec<redis::Value> = redis::cmd("CLUSTER")
+            .arg("SLOTS")
+            .query_async(&mut c.clone())
+            .await
+            .map_err(unavailable)?;
+        let mut lowest = std::collections::BTreeMap::<Vec<u8>, u16>::new();
+        for range in slots {
+            let protocol = |what: &str| StoreError::Protocol(format!("CLUSTER SLOTS: {what}"));
+            let (start, _end, master, ..): (u16, u16, Vec<redis::Value>) =
+                redis::from_redis_value(range).map_err(|e| protocol(&e.to_string()))?;
+            // The master's node id (third field) names it; its address would do too.
+            let id = master
+                .get(2)
+                .or_else(|| master.get(1))
+                .cloned()
+                .map(redis::from_redis_value::<Vec<u8>>)
+                .transpose()
+                .map_err(|e| protocol(&e.to_string()))?
+                .unwrap_or_default();
+            let slot = lowest.entry(id).or_insert(start);
+            *slot = (*slot).min(start);
+        }
+        let mut nodes: Vec<u16> = lowest.into_values().collect();
+        nodes.sort_unstable();
+        Ok(nodes)
+    }
+
+    /// One SCAN call on `node`.
+    async fn scan(
+        &self,
+        node: u16,
+        cursor: u64,
+        pattern: &[u8],
+        count: usize,
+    ) -> Result<(u64, Vec<Vec<u8>>), StoreError> {
+        let mut scan = redis::cmd("SCAN");
+        scan.arg(cursor).arg("MATCH").arg(pattern).arg("COUNT").arg(count);
+        let reply: redis::Value = match &self.connection {
+            Connection::Standalone(c) => scan.query_async(&mut c.clone()).await,
+            Connection::Cluster(c) => {
+                use redis::cluster_routing::{Route, RoutingInfo, SingleNodeRoutingInfo, SlotAddr};
+                let route = SingleNodeRoutingInfo::SpecificNode(Route::new(node, SlotAddr::Master));
+                c.clone().route_command(scan, RoutingInfo::SingleNode(route)).await
+            }
+        }
+        .map_err(unavailable)?;
+        let (next, keys): (String, Vec<Vec<u8>>) =
+            redis::from_redis_value(reply).map_err(|e| StoreError::Protocol(e.to_string()))?;
+        let next =
+            next.parse().map_err(|_| StoreError::Protocol(format!("SCAN cursor {next:?}")))?;
+        Ok((next, keys))
+    }
+}
+
+/// Lists with SCAN (every master of a Cluster, one after the other), reading each key
+/// with [`INSPECT_SCRIPT`]; keys under the prefix that hold no record are skipped.
+/// `purge` answers 0: Redis expires records by itself. `stats` scans every record.
+#[async_trait]
+impl admin::Admin for RedisStore {
+    async fn inspect(&self, key: &Key) -> Result<Option<admin::Record>, StoreError> {
+        match self.read_at(&self.redis_key(key)).await? {
+            Found::Nothing => Ok(None),
+            Found::Record(record) => Ok(Some(record)),
+            Found::Foreign(what) => Err(StoreError::Rejected(
+                format!("{key}: {what} (written by another program or version)").into(),
+            )),
+        }
+    }
+
+    async fn list(
+        &self,
+        filter: &admin::Filter,
+        cursor: Option<&str>,
+        limit: usize,
+    ) -> Result<admin::Page, StoreError> {
+        use futures_util::stream::{self, StreamExt, TryStreamExt};
+
+        let nodes = self.list_nodes().await?;
+        let mut at = match cursor {
+            Some(text) => ListCursor::decode(text)?,
+            None => {
+                ListCursor { node: nodes.first().copied(), scan: 0, pending: Default::default() }
+            }
+        };
+        let mut pattern = glob_escape(self.prefix.as_bytes());
+        pattern.push(b':');
+        if let Some(namespace) = &filter.namespace {
+            pattern.extend(glob_escape(namespace.as_bytes()));
+            pattern.push(b':');
+        }
+        pattern.push(b'*');
+        let limit = limit.max(1);
+        let mut records = Vec::new();
+        let mut budget = LIST_SCAN_BUDGET;
+        loop {
+            while records.len() < limit && !at.pending.is_empty() {
+                let take = (limit - records.len()).min(at.pending.len());
+                let batch: Vec<Vec<u8>> = at.pending.drain(..take).collect();
+                // Owned keys: a borrowing closure trips the `Send` check of the future.
+                let found: Vec<Found> = stream::iter(batch)
+                    .map(|key| async move { self.read_at(&key).await })
+                    .buffered(LIST_READS_IN_FLIGHT)
+                    .try_collect()
+                    .await?;
+                records.extend(found.into_iter().filter_map(|found| match found {
+                    Found::Record(record) if record.matches(filter) => Some(record),
+                    _ => None,
+                }));
+            }
+            let Some(node) = at.node else { break };
+            if records.len() >= limit || budget == 0 {
+                break;
+            }
+            let count = (limit - records.len()).clamp(10, budget);
+            budget -= count;
+            let (next, keys) = self.scan(node, at.scan, &pattern, count).await?;
+            at.pending.extend(keys);
+            at.scan = next;
+            if next == 0 {
+                at.node = nodes.iter().copied().find(|&n| n > node);
+            }
+        }
+        let next = (at.node.is_some() || !at.pending.is_empty()).then(|| at.encode());
+        Ok(admin::Page { records, next })
+    }
+
+    async fn release(&self, key: &Key, force: bool) -> Result<admin::Released, StoreError> {
+        let force: &[u8] = if force { b"1" } else { b"0" };
+        let reply: Vec<redis::Value> = self.invoke(&SCRIPTS.admin_release, key, &[force]).await?;
+        let parse_error = |e: redis::ParsingError| StoreError::Protocol(e.to_string());
+        let field = |i: usize| reply.get(i).cloned().unwrap_or(redis::Value::Nil);
+        let answer: String = redis::from_redis_value(field(0)).map_err(parse_error)?;
+        Ok(match answer.as_str() {
+            "X" => admin::Released::Released,
+            "N" => admin::Released::NotFound,
+            "D" => admin::Released::Refused(
+                admin::refusal(admin::State::Done, None).unwrap_or_default(),
+            ),
+            "P" => {
+                let left: u64 = redis::from_redis_value(field(1)).map_err(parse_error)?;
+                let left = Some(Duration::from_millis(left));
+                admin::Released::Refused(
+                    admin::refusal(admin::State::InProgress, left).unwrap_or_default(),
+                )
+            }
+            "U" => admin::Released::Refused(
+                "not a record this version reads (written by another program or version): pass force to delete it"
+                    .to_owned(),
+            ),
+            other => {
+                return Err(StoreError::Protocol(format!("release script returned {other:?}")));
+            }
+        })
+    }
+
+    /// Redis drops expired keys by itself: nothing to do, 0.
+    async fn purge(&self) -> Result<u64, StoreError> {
+        Ok(0)
+    }
+
+    async fn stats(
+        &self,
+        filter: &admin::Filter,
+    ) -> Result<Vec<(String, admin::State, u64)>, StoreError> {
+        let mut counts = std::collections::BTreeMap::<(String, admin::State), u64>::new();
+        let mut cursor: Option<String> = None;
+        loop {
+            let page = admin::Admin::list(self, filter, cursor.as_deref(), 1000).await?;
+            for (namespace, state, n) in admin::tally(&page.records) {
+                *counts.entry((namespace, state)).or_default() += n;
+            }
+            match page.next {
+                Some(next) => cursor = Some(next),
+                None => break,
+            }
+        }
+        Ok(counts.into_iter().map(|((ns, state), n)| (ns, state, n)).collect())
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -611,6 +1005,57 @@ mod tests {
         for record in records {
             assert_eq!(claim.settle(record.as_bytes()), None, "{record:?}");
         }
+    }
+
+    #[test]
+    fn admin_reads_both_record_formats() {
+        let fp = "ab".repeat(32);
+        let record = format!("D{TOKEN} 60000 2 {fp} a result");
+        let read = read_record(b"ns:id:1", record.as_bytes(), record.len(), 50_000, 0).unwrap();
+        assert_eq!((read.namespace.as_str(), read.id.as_slice()), ("ns", b"id:1".as_slice()));
+        assert_eq!((read.state, read.attempts), (admin::State::Done, 2));
+        assert_eq!(read.fingerprint, Some(fp));
+        assert_eq!(read.result_len, Some(8));
+        assert_eq!(read.ttl_left, Some(Duration::from_secs(50)));
+        assert_eq!(read.lease_left, None);
+
+        // In progress: live while the PTTL is above `held`.
+        let record = format!("P{TOKEN} 60000 1 - ");
+        let read = read_record(b"ns:a", record.as_bytes(), record.len(), 61_500, 0).unwrap();
+        assert_eq!(read.lease_left, Some(Duration::from_millis(1_500)));
+        assert_eq!(read.result_len, None);
+        let read = read_record(b"ns:a", record.as_bytes(), record.len(), 59_000, 0).unwrap();
+        assert_eq!(read.lease_left, None);
+        let read = read_record(b"ns:a", b"R- 0 3 - ", 9, 10_000, 0).unwrap();
+        assert_eq!((read.state, read.attempts, read.lease_left), (admin::State::Released, 3, None));
+
+        // The first format: an absolute deadline against the server's time.
+        let record = format!("P 4 1000500 {TOKEN} - ");
+        let read = read_record(b"ns:a", record.as_bytes(), record.len(), 9_000, 1_000_000).unwrap();
+        assert_eq!((read.state, read.attempts), (admin::State::InProgress, 4));
+        assert_eq!(read.lease_left, Some(Duration::from_millis(500)));
+        let record = format!("D 2 0 {TOKEN} - cached");
+        let read = read_record(b"ns:a", record.as_bytes(), record.len(), -1, 0).unwrap();
+        assert_eq!((read.result_len, read.ttl_left), (Some(6), None));
+
+        for bad in ["", "D", "v9|something", "X- 0 1 - ", "D- x 1 - ", "D- 0 1 -"] {
+            assert_eq!(read_record(b"ns:a", bad.as_bytes(), bad.len(), 1, 0), None, "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn list_cursors_read_back() {
+        let cursor = ListCursor {
+            node: Some(5461),
+            scan: 1234,
+            pending: vec![b"idempotent:ns:a".to_vec(), b"idempotent:ns:\xff,:".to_vec()].into(),
+        };
+        assert_eq!(ListCursor::decode(&cursor.encode()).unwrap(), cursor);
+        let done = ListCursor { node: None, scan: 0, pending: Default::default() };
+        assert_eq!(ListCursor::decode(&done.encode()).unwrap(), done);
+        assert!(ListCursor::decode("1:2").is_err());
+        assert!(ListCursor::decode("x:2:").is_err());
+        assert_eq!(glob_escape(b"a*b?[c]\\"), b"a\\*b\\?\\[c\\]\\\\".to_vec());
     }
 
     #[test]
