@@ -868,7 +868,7 @@ impl admin::Admin for RedisStore {
             if records.len() >= limit || budget == 0 {
                 break;
             }
-            let count = (limit - records.len()).clamp(10, budget);
+            let count = (limit - records.len()).max(10).min(budget);
             budget -= count;
             let (next, keys) = self.scan(node, at.scan, &pattern, count).await?;
             at.pending.extend(keys);
