@@ -763,8 +763,16 @@ impl RedisStore {
         let mut lowest = std::collections::BTreeMap::<Vec<u8>, u16>::new();
         for range in slots {
             let protocol = |what: &str| StoreError::Protocol(format!("CLUSTER SLOTS: {what}"));
-            let (start, _end, master, ..): (u16, u16, Vec<redis::Value>) =
+            // [start, end, master, replicas...]: as many fields as the range has replicas.
+            let range: Vec<redis::Value> =
                 redis::from_redis_value(range).map_err(|e| protocol(&e.to_string()))?;
+            let (Some(start), Some(master)) = (range.first(), range.get(2)) else {
+                return Err(protocol("a slot range without a master"));
+            };
+            let start: u16 =
+                redis::from_redis_value(start.clone()).map_err(|e| protocol(&e.to_string()))?;
+            let master: Vec<redis::Value> =
+                redis::from_redis_value(master.clone()).map_err(|e| protocol(&e.to_string()))?;
             // The master's node id (third field) names it; its address would do too.
             let id = master
                 .get(2)
