@@ -139,7 +139,7 @@ return {redis.call('GETRANGE', KEYS[1], 0, 255), redis.call('STRLEN', KEYS[1]),
 ";
 
 /// [`Admin::release`](admin::Admin::release)'s script: deletes the record unless it is
-/// DONE or in progress with a live lease, or whatever it holds when ARGV[1] is `1`
+/// DONE or in progress with a live lease, or whatever it holds when `ARGV[1]` is `1`
 /// (force). Returns `{'X'}` (deleted), `{'N'}` (no record), `{'D'}` (done), `{'P', lease
 /// ms left}` or `{'U'}` (unreadable). Reads both record formats.
 pub const ADMIN_RELEASE_SCRIPT: &str = r"
