@@ -3,7 +3,7 @@
 use std::time::Duration;
 
 use idempotent_runtime::store::admin::Admin;
-use idempotent_runtime::{MysqlStore, PostgresStore, RedisStore, ZooKeeperStore, zookeeper_store};
+use idempotent_runtime::{PostgresStore, RedisStore};
 
 use crate::{Exit, Failure};
 
@@ -35,9 +35,8 @@ pub async fn connect(url: &str, at: Option<&str>) -> Result<Box<dyn Admin>, Fail
             "redis+cluster" | "rediss+cluster" => {
                 let plain = scheme.trim_end_matches("+cluster");
                 let (hosts, tail) = rest.split_once('/').unwrap_or((rest, ""));
-                let nodes: Vec<String> = (hosts.split(','))
-                    .map(|host| format!("{plain}://{host}/{tail}"))
-                    .collect();
+                let nodes: Vec<String> =
+                    (hosts.split(',')).map(|host| format!("{plain}://{host}/{tail}")).collect();
                 let store = RedisStore::cluster(nodes).await?;
                 Box::new(match &at {
                     Some(prefix) => store.with_prefix(prefix.as_str()),
@@ -51,31 +50,20 @@ pub async fn connect(url: &str, at: Option<&str>) -> Result<Box<dyn Admin>, Fail
                     None => store,
                 })
             }
-            "mysql" | "mariadb" => {
-                let store = MysqlStore::connect(&format!("mysql://{rest}")).await?;
-                Box::new(match &at {
-                    Some(table) => store.with_table(table)?,
-                    None => store,
-                })
-            }
-            "zk" | "zookeeper" => {
-                let (hosts, root) = match rest.split_once('/') {
-                    Some((hosts, root)) if !root.is_empty() => (hosts, format!("/{root}")),
-                    _ => (rest.trim_end_matches('/'), zookeeper_store::DEFAULT_ROOT.to_owned()),
-                };
-                let root = at.clone().unwrap_or(root);
-                let session = zookeeper_store::DEFAULT_SESSION_TIMEOUT;
-                Box::new(ZooKeeperStore::connect_with(hosts, &root, session).await?)
-            }
-            _ => return Ok(None),
+            "mysql" | "mariadb" | "zk" | "zookeeper" => return Ok(Err(scheme)),
+            _ => return Ok(Err("")),
         };
-        Ok::<_, idempotent_runtime::StoreError>(Some(store))
+        Ok::<_, idempotent_runtime::StoreError>(Ok(store))
     };
     match tokio::time::timeout(CONNECT_TIMEOUT, connecting).await {
-        Ok(Ok(Some(store))) => Ok(store),
-        Ok(Ok(None)) => {
+        Ok(Ok(Ok(store))) => Ok(store),
+        Ok(Ok(Err(""))) => {
             Err(usage(format!("`{scheme}://` is not a store this tool knows; one of {SCHEMES}")))
         }
+        Ok(Ok(Err(scheme))) => Err(usage(format!(
+            "`{scheme}://` stores cannot be inspected by this version yet (Redis, Redis Cluster \
+             and PostgreSQL can)"
+        ))),
         Ok(Err(error)) => {
             Err(Failure(Exit::Store, format!("cannot use the store at {shown}: {error}")))
         }
@@ -139,7 +127,10 @@ mod tests {
 
     #[test]
     fn the_at_parameter_is_taken_out() {
-        assert_eq!(split_at_param("redis://h/0?at=orders"), ("redis://h/0".into(), Some("orders".into())));
+        assert_eq!(
+            split_at_param("redis://h/0?at=orders"),
+            ("redis://h/0".into(), Some("orders".into()))
+        );
         assert_eq!(
             split_at_param("postgres://h/db?sslmode=require&at=keys"),
             ("postgres://h/db?sslmode=require".into(), Some("keys".into()))

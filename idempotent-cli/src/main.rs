@@ -177,7 +177,7 @@ async fn run(cli: Cli) -> Result<Exit, Failure> {
         }
         Command::Release { namespace: Some(namespace), id: Some(id), force, .. } => {
             let key = key(&namespace, &id)?;
-            let released = store.release(&key, force).await.map_err(store_failed)?;
+            let released = store.release_key(&key, force).await.map_err(store_failed)?;
             out.released_one(&key, &released);
             Ok(match released {
                 Released::Released => Exit::Done,
@@ -235,8 +235,8 @@ async fn list(
     let mut cursor: Option<String> = None;
     let mut left = limit;
     while left > 0 {
-        let page = (store.list(filter, cursor.as_deref(), left.min(PAGE)).await)
-            .map_err(store_failed)?;
+        let page =
+            (store.list(filter, cursor.as_deref(), left.min(PAGE)).await).map_err(store_failed)?;
         for record in page.records.iter().take(left) {
             table.push(record);
         }
@@ -290,7 +290,7 @@ async fn release_all(
     }
     let mut summary = output::Summary::default();
     for stored in &keys {
-        let released = store.release_stored(stored, force).await.map_err(store_failed)?;
+        let released = store.release_record(stored, force).await.map_err(store_failed)?;
         summary.add(stored, released);
     }
     out.released_many(&summary);

@@ -43,7 +43,10 @@ impl Output {
         if self.json {
             println!("{}", json!({ "key": escaped(key.as_bytes()), "state": Value::Null }));
         } else {
-            println!("no record for {} (never claimed, expired or released)", escaped(key.as_bytes()));
+            println!(
+                "no record for {} (never claimed, expired or released)",
+                escaped(key.as_bytes())
+            );
         }
     }
 
@@ -190,7 +193,10 @@ impl RecordTable {
             println!("no records");
             return;
         }
-        print_table(&["KEY", "STATE", "ATTEMPTS", "LEASE LEFT", "TTL LEFT", "RESULT BYTES"], &self.rows);
+        print_table(
+            &["KEY", "STATE", "ATTEMPTS", "LEASE LEFT", "TTL LEFT", "RESULT BYTES"],
+            &self.rows,
+        );
     }
 }
 

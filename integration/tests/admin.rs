@@ -189,7 +189,7 @@ async fn check_list_and_stats<A: Admin>(store: &A, keys: &Keys, other: &Keys) {
 /// Release: FAILED, RELEASED and lapsed records go (and the key processes again, from
 /// attempt 1); DONE and live ones need force.
 async fn check_release<S: Store + Admin>(store: &S, keys: &Keys) {
-    assert_eq!(Admin::release(store, &keys.failed, false).await.unwrap(), Released::Released);
+    assert_eq!(store.release_key(&keys.failed, false).await.unwrap(), Released::Released);
     assert_eq!(store.inspect(&keys.failed).await.unwrap(), None);
     match store.claim(&keys.failed, LEASE, TTL, None).await.unwrap() {
         Claim::Won { attempt, token } => {
@@ -198,23 +198,37 @@ async fn check_release<S: Store + Admin>(store: &S, keys: &Keys) {
         }
         other => panic!("a released FAILED key is processable again, got {other:?}"),
     }
-    assert_eq!(Admin::release(store, &keys.released, false).await.unwrap(), Released::Released);
-    assert_eq!(Admin::release(store, &keys.lapsed, false).await.unwrap(), Released::Released);
+    assert_eq!(store.release_key(&keys.released, false).await.unwrap(), Released::Released);
+    assert_eq!(store.release_key(&keys.lapsed, false).await.unwrap(), Released::Released);
 
-    match Admin::release(store, &keys.done, false).await.unwrap() {
+    match store.release_key(&keys.done, false).await.unwrap() {
         Released::Refused(why) => assert!(why.starts_with("DONE"), "{why}"),
         other => panic!("DONE released without force: {other:?}"),
     }
     assert_eq!(store.inspect(&keys.done).await.unwrap().map(|r| r.state), Some(State::Done));
-    assert_eq!(Admin::release(store, &keys.done, true).await.unwrap(), Released::Released);
+    assert_eq!(store.release_key(&keys.done, true).await.unwrap(), Released::Released);
     assert!(matches!(store.claim(&keys.done, LEASE, TTL, None).await.unwrap(), Claim::Won { .. }));
 
-    match Admin::release(store, &keys.live, false).await.unwrap() {
+    match store.release_key(&keys.live, false).await.unwrap() {
         Released::Refused(why) => assert!(why.contains("s of lease left"), "{why}"),
         other => panic!("a live claim released without force: {other:?}"),
     }
-    assert_eq!(Admin::release(store, &keys.live, true).await.unwrap(), Released::Released);
-    assert_eq!(Admin::release(store, &keys.live, false).await.unwrap(), Released::NotFound);
+    assert_eq!(store.release_key(&keys.live, true).await.unwrap(), Released::Released);
+    assert_eq!(store.release_key(&keys.live, false).await.unwrap(), Released::NotFound);
+
+    // A hashed id is released from its listing, where only the hash is known.
+    let filter = Filter { namespace: Some(keys.namespace.clone()), state: Some(State::Done) };
+    let listed = list_all(store, &filter, 100).await;
+    let hashed = (listed.iter())
+        .find(|r| r.id.starts_with(b"sha256:"))
+        .expect("the hashed record is listed");
+    assert_eq!(hashed.key, store.record_key(&keys.hashed));
+    assert!(matches!(
+        store.release_record(&hashed.key, false).await.unwrap(),
+        Released::Refused(_)
+    ));
+    assert_eq!(store.release_record(&hashed.key, true).await.unwrap(), Released::Released);
+    assert_eq!(store.inspect(&keys.hashed).await.unwrap(), None);
 }
 
 /// The whole scenario on one store, in two fresh namespaces.
@@ -277,17 +291,11 @@ fn redis_reads_records_of_the_first_format_and_skips_foreign_keys() {
         want.sort();
         assert_eq!(keys_of(&listed), want, "the foreign key is skipped");
 
-        assert!(matches!(
-            Admin::release(&store, &foreign, false).await.unwrap(),
-            Released::Refused(_)
-        ));
-        assert!(matches!(
-            Admin::release(&store, &live, false).await.unwrap(),
-            Released::Refused(_)
-        ));
-        assert!(matches!(Admin::release(&store, &old, false).await.unwrap(), Released::Refused(_)));
+        assert!(matches!(&store.release_key(&foreign, false).await.unwrap(), Released::Refused(_)));
+        assert!(matches!(&store.release_key(&live, false).await.unwrap(), Released::Refused(_)));
+        assert!(matches!(&store.release_key(&old, false).await.unwrap(), Released::Refused(_)));
         for key in [&foreign, &live, &old] {
-            assert_eq!(Admin::release(&store, key, true).await.unwrap(), Released::Released);
+            assert_eq!(&store.release_key(key, true).await.unwrap(), Released::Released);
         }
     });
 }
@@ -373,7 +381,7 @@ fn postgres_purge_removes_expired_records() {
         tokio::time::sleep(Duration::from_millis(200)).await;
         let gone = Key::new(&namespace, "0").unwrap();
         assert_eq!(store.inspect(&gone).await.unwrap(), None, "an expired record is absent");
-        assert_eq!(Admin::release(&store, &gone, false).await.unwrap(), Released::NotFound);
+        assert_eq!(&store.release_key(&gone, false).await.unwrap(), Released::NotFound);
         assert_eq!(store.purge().await.unwrap(), 2, "the other two expired records");
         assert_eq!(store.purge().await.unwrap(), 0);
         let left = list_all(&store, &Filter::default(), 10).await;

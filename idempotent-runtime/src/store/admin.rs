@@ -192,7 +192,7 @@ pub struct Page {
     pub next: Option<String>,
 }
 
-/// The answer to [`Admin::release`].
+/// The answer to [`Admin::release_key`] and [`Admin::release_record`].
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Released {
     /// The record was deleted: the next delivery claims the key afresh, at attempt 1.
@@ -208,8 +208,6 @@ pub enum Released {
 /// Every operation reads the store's own clock (the server's, for Redis and
 /// PostgreSQL), so the answers do not depend on the caller's.
 ///
-/// [`Store`](crate::Store) has a `release` too (of a claim, by its token): with both
-/// traits in scope, call this one as `Admin::release(&store, &key, force)`.
 ///
 /// ```
 /// # #[tokio::main(flavor = "current_thread")] async fn main() {
@@ -230,7 +228,7 @@ pub enum Released {
 /// assert_eq!(page.next, None);
 ///
 /// // A failed key is processable again once released.
-/// assert_eq!(Admin::release(&store, &key, false).await.unwrap(), Released::Released);
+/// assert_eq!(store.release_key(&key, false).await.unwrap(), Released::Released);
 /// assert!(matches!(store.claim(&key, lease, ttl, None).await.unwrap(), Claim::Won { attempt: 1, .. }));
 /// # }
 /// ```
@@ -256,7 +254,18 @@ pub trait Admin: Send + Sync {
     /// released; DONE records (the message would run again) and IN PROGRESS ones with
     /// a live lease (another consumer runs it now) are [`Released::Refused`] unless
     /// `force`. The check and the delete are one atomic step.
-    async fn release(&self, key: &Key, force: bool) -> Result<Released, StoreError>;
+    async fn release_key(&self, key: &Key, force: bool) -> Result<Released, StoreError> {
+        self.release_record(&self.record_key(key), force).await
+    }
+
+    /// [`release_key`](Admin::release_key) for the record [`list`](Admin::list) showed
+    /// under `record_key` ([`Record::key`]): a key whose id is stored hashed can be
+    /// released from a listing, where only the hash is known.
+    async fn release_record(&self, record_key: &[u8], force: bool) -> Result<Released, StoreError>;
+
+    /// The [`Record::key`] the record of `key` is listed under: the key as this store
+    /// keeps it (ids too long, or starting with `sha256:`, as their hash).
+    fn record_key(&self, key: &Key) -> Vec<u8>;
 
     /// Deletes expired records now and answers how many. Stores that expire records
     /// by themselves (Redis) answer 0.
@@ -276,8 +285,11 @@ macro_rules! forward_admin {
             async fn list(&self, filter: &Filter, cursor: Option<&str>, limit: usize) -> Result<Page, StoreError> {
                 (**self).list(filter, cursor, limit).await
             }
-            async fn release(&self, key: &Key, force: bool) -> Result<Released, StoreError> {
-                (**self).release(key, force).await
+            async fn release_record(&self, record_key: &[u8], force: bool) -> Result<Released, StoreError> {
+                (**self).release_record(record_key, force).await
+            }
+            fn record_key(&self, key: &Key) -> Vec<u8> {
+                (**self).record_key(key)
             }
             async fn purge(&self) -> Result<u64, StoreError> {
                 (**self).purge().await

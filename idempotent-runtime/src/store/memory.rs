@@ -574,11 +574,19 @@ impl admin::Admin for MemoryStore {
         Ok(admin::Page { records, next })
     }
 
-    async fn release(&self, key: &Key, force: bool) -> Result<admin::Released, StoreError> {
+    fn record_key(&self, key: &Key) -> Vec<u8> {
+        key.as_bytes().to_vec()
+    }
+
+    async fn release_record(
+        &self,
+        record_key: &[u8],
+        force: bool,
+    ) -> Result<admin::Released, StoreError> {
         let now = self.now();
-        let hash = self.hasher.hash_one(key.as_bytes());
+        let hash = self.hasher.hash_one(record_key);
         let mut shard = self.shards[(hash >> 32) as usize % SHARDS].lock();
-        let same = |e: &Entry| e.hash == hash && e.key.as_bytes() == key.as_bytes();
+        let same = |e: &Entry| e.hash == hash && e.key.as_bytes() == record_key;
         let Ok(entry) = shard.records.find_entry(hash, same) else {
             return Ok(admin::Released::NotFound);
         };
@@ -707,20 +715,20 @@ mod tests {
         let done = store.inspect(&key("a", 0)).await.unwrap().unwrap();
         assert_eq!((done.state, done.result_len), (State::Done, Some(1)));
         assert!(matches!(
-            Admin::release(&store, &key("a", 0), false).await.unwrap(),
+            &store.release_key(&key("a", 0), false).await.unwrap(),
             Released::Refused(_)
         ));
         assert!(matches!(
-            Admin::release(&store, &key("a", 1), false).await.unwrap(),
+            &store.release_key(&key("a", 1), false).await.unwrap(),
             Released::Refused(_)
         ));
-        assert_eq!(Admin::release(&store, &key("a", 1), true).await.unwrap(), Released::Released);
+        assert_eq!(&store.release_key(&key("a", 1), true).await.unwrap(), Released::Released);
         tokio::time::advance(LEASE + Duration::from_millis(1)).await;
         // The lease lapsed: no force needed. The `b` records (retained for one lease
         // past it) are still there.
         assert_eq!(store.inspect(&key("a", 3)).await.unwrap().unwrap().lease_left, None);
-        assert_eq!(Admin::release(&store, &key("a", 3), false).await.unwrap(), Released::Released);
-        assert_eq!(Admin::release(&store, &key("a", 3), false).await.unwrap(), Released::NotFound);
+        assert_eq!(&store.release_key(&key("a", 3), false).await.unwrap(), Released::Released);
+        assert_eq!(&store.release_key(&key("a", 3), false).await.unwrap(), Released::NotFound);
         tokio::time::advance(LEASE).await;
         assert_eq!(store.purge().await.unwrap(), 10);
         assert_eq!(store.len(), 8);

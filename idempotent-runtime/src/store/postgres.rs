@@ -653,7 +653,15 @@ ORDER BY key LIMIT $5"
         Ok(admin::Page { records, next })
     }
 
-    async fn release(&self, key: &Key, force: bool) -> Result<admin::Released, StoreError> {
+    fn record_key(&self, key: &Key) -> Vec<u8> {
+        key.stored().into_owned()
+    }
+
+    async fn release_record(
+        &self,
+        record_key: &[u8],
+        force: bool,
+    ) -> Result<admin::Released, StoreError> {
         let t = &self.sql.table;
         // The condition is checked by the DELETE itself, on the row's latest version
         // (a concurrent change makes PostgreSQL check it again); the read beside it
@@ -671,7 +679,7 @@ SELECT (SELECT count(*) FROM gone WHERE live), r.state, r.expires_at > clock_tim
             THEN ceil(extract(epoch FROM r.lease_until - clock_timestamp()) * 1000)::bigint END
 FROM (SELECT) AS one LEFT JOIN {t} r ON r.key = $1"
             )))
-            .bind(key.stored().as_ref())
+            .bind(record_key)
             .bind(force)
             .fetch_one(&self.pool)
             .await

@@ -138,7 +138,7 @@ return {redis.call('GETRANGE', KEYS[1], 0, 255), redis.call('STRLEN', KEYS[1]),
   redis.call('PTTL', KEYS[1]), tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000)}
 ";
 
-/// [`Admin::release`](admin::Admin::release)'s script: deletes the record unless it is
+/// [`Admin::release_record`](admin::Admin::release_record)'s script: deletes the record unless it is
 /// DONE or in progress with a live lease, or whatever it holds when `ARGV[1]` is `1`
 /// (force). Returns `{'X'}` (deleted), `{'N'}` (no record), `{'D'}` (done), `{'P', lease
 /// ms left}` or `{'U'}` (unreadable). Reads both record formats.
@@ -889,9 +889,22 @@ impl admin::Admin for RedisStore {
         Ok(admin::Page { records, next })
     }
 
-    async fn release(&self, key: &Key, force: bool) -> Result<admin::Released, StoreError> {
+    fn record_key(&self, key: &Key) -> Vec<u8> {
+        key.stored().into_owned()
+    }
+
+    async fn release_record(
+        &self,
+        record_key: &[u8],
+        force: bool,
+    ) -> Result<admin::Released, StoreError> {
         let force: &[u8] = if force { b"1" } else { b"0" };
-        let reply: Vec<redis::Value> = self.invoke(&SCRIPTS.admin_release, key, &[force]).await?;
+        let mut redis_key = Vec::with_capacity(self.prefix.len() + 1 + record_key.len());
+        redis_key.extend_from_slice(self.prefix.as_bytes());
+        redis_key.push(b':');
+        redis_key.extend_from_slice(record_key);
+        let reply: Vec<redis::Value> =
+            self.invoke_at(&SCRIPTS.admin_release, &redis_key, &[force]).await?;
         let parse_error = |e: redis::ParsingError| StoreError::Protocol(e.to_string());
         let field = |i: usize| reply.get(i).cloned().unwrap_or(redis::Value::Nil);
         let answer: String = redis::from_redis_value(field(0)).map_err(parse_error)?;
