@@ -295,7 +295,7 @@ fn redis_reads_records_of_the_first_format_and_skips_foreign_keys() {
         assert!(matches!(&store.release_key(&live, false).await.unwrap(), Released::Refused(_)));
         assert!(matches!(&store.release_key(&old, false).await.unwrap(), Released::Refused(_)));
         for key in [&foreign, &live, &old] {
-            assert_eq!(&store.release_key(key, true).await.unwrap(), Released::Released);
+            assert_eq!(store.release_key(key, true).await.unwrap(), Released::Released);
         }
     });
 }
@@ -381,7 +381,7 @@ fn postgres_purge_removes_expired_records() {
         tokio::time::sleep(Duration::from_millis(200)).await;
         let gone = Key::new(&namespace, "0").unwrap();
         assert_eq!(store.inspect(&gone).await.unwrap(), None, "an expired record is absent");
-        assert_eq!(&store.release_key(&gone, false).await.unwrap(), Released::NotFound);
+        assert_eq!(store.release_key(&gone, false).await.unwrap(), Released::NotFound);
         assert_eq!(store.purge().await.unwrap(), 2, "the other two expired records");
         assert_eq!(store.purge().await.unwrap(), 0);
         let left = list_all(&store, &Filter::default(), 10).await;
