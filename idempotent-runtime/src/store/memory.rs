@@ -722,13 +722,13 @@ mod tests {
             &store.release_key(&key("a", 1), false).await.unwrap(),
             Released::Refused(_)
         ));
-        assert_eq!(&store.release_key(&key("a", 1), true).await.unwrap(), Released::Released);
+        assert_eq!(store.release_key(&key("a", 1), true).await.unwrap(), Released::Released);
         tokio::time::advance(LEASE + Duration::from_millis(1)).await;
         // The lease lapsed: no force needed. The `b` records (retained for one lease
         // past it) are still there.
         assert_eq!(store.inspect(&key("a", 3)).await.unwrap().unwrap().lease_left, None);
-        assert_eq!(&store.release_key(&key("a", 3), false).await.unwrap(), Released::Released);
-        assert_eq!(&store.release_key(&key("a", 3), false).await.unwrap(), Released::NotFound);
+        assert_eq!(store.release_key(&key("a", 3), false).await.unwrap(), Released::Released);
+        assert_eq!(store.release_key(&key("a", 3), false).await.unwrap(), Released::NotFound);
         tokio::time::advance(LEASE).await;
         assert_eq!(store.purge().await.unwrap(), 10);
         assert_eq!(store.len(), 8);
