@@ -21,7 +21,8 @@ pub async fn connect(url: &str, at: Option<&str>) -> Result<Box<dyn Admin>, Fail
     let at = at.map(str::to_owned).or(at_param);
     let shown = redacted(&url);
     let Some((scheme, rest)) = url.split_once("://") else {
-        return Err(usage(format!("`{shown}` is not a store URL; one of {SCHEMES}")));
+        // Not printed: without a scheme there is no telling where a password ends.
+        return Err(usage(format!("the store is not a URL; it starts with one of {SCHEMES}")));
     };
     let connecting = async {
         let store: Box<dyn Admin> = match scheme {
@@ -33,11 +34,7 @@ pub async fn connect(url: &str, at: Option<&str>) -> Result<Box<dyn Admin>, Fail
                 })
             }
             "redis+cluster" | "rediss+cluster" => {
-                let plain = scheme.trim_end_matches("+cluster");
-                let (hosts, tail) = rest.split_once('/').unwrap_or((rest, ""));
-                let nodes: Vec<String> =
-                    (hosts.split(',')).map(|host| format!("{plain}://{host}/{tail}")).collect();
-                let store = RedisStore::cluster(nodes).await?;
+                let store = RedisStore::cluster(cluster_nodes(scheme, rest)).await?;
                 Box::new(match &at {
                     Some(prefix) => store.with_prefix(prefix.as_str()),
                     None => store,
@@ -74,6 +71,18 @@ pub async fn connect(url: &str, at: Option<&str>) -> Result<Box<dyn Admin>, Fail
     }
 }
 
+/// The node URLs of `redis+cluster://[user:password@]host:port,host:port[/db]`: each
+/// with the credentials (the client refuses nodes that differ in them).
+fn cluster_nodes(scheme: &str, rest: &str) -> Vec<String> {
+    let plain = scheme.trim_end_matches("+cluster");
+    let (auth, hosts) = match rest.rfind('@') {
+        Some(at) => rest.split_at(at + 1),
+        None => ("", rest),
+    };
+    let (hosts, tail) = hosts.split_once('/').unwrap_or((hosts, ""));
+    hosts.split(',').map(|host| format!("{plain}://{auth}{host}/{tail}")).collect()
+}
+
 fn usage(message: String) -> Failure {
     Failure(Exit::Usage, message)
 }
@@ -96,15 +105,20 @@ fn split_at_param(url: &str) -> (String, Option<String>) {
 }
 
 /// The URL with its password, if any, replaced by `***`: error messages and logs
-/// must not carry it.
+/// must not carry it. Passwords are not always percent-encoded: everything between
+/// the user name and the last `@` counts as the password, whatever it holds (`/`,
+/// `?`, `@`), since a host never holds an `@`.
 pub fn redacted(url: &str) -> String {
-    let Some((scheme, rest)) = url.split_once("://") else { return url.to_owned() };
-    let authority_end = rest.find(['/', '?']).unwrap_or(rest.len());
-    let (authority, tail) = rest.split_at(authority_end);
-    let Some((userinfo, host)) = authority.rsplit_once('@') else { return url.to_owned() };
+    let Some((scheme, rest)) = url.split_once("://") else { return "(not a URL)".to_owned() };
+    let Some(at) = rest.rfind('@') else { return url.to_owned() };
+    let (userinfo, host) = (&rest[..at], &rest[at + 1..]);
     match userinfo.split_once(':') {
-        Some((user, _password)) => format!("{scheme}://{user}:***@{host}{tail}"),
-        None => url.to_owned(),
+        Some((user, _password)) if !user.contains(['/', '?']) => {
+            format!("{scheme}://{user}:***@{host}")
+        }
+        // A user name alone.
+        None if !userinfo.contains(['/', '?']) => url.to_owned(),
+        _ => format!("{scheme}://***@{host}"),
     }
 }
 
@@ -123,6 +137,25 @@ mod tests {
         assert_eq!(redacted("zk://a:2181,b:2181/idempotent"), "zk://a:2181,b:2181/idempotent");
         // An `@` in the password: the last `@` before the host ends it.
         assert_eq!(redacted("redis://u:p@ss@host/0"), "redis://u:***@host/0");
+        // A `/` or `?` in a password that was not percent-encoded.
+        assert_eq!(redacted("redis://:pa/ss@127.0.0.1:1/0"), "redis://:***@127.0.0.1:1/0");
+        assert_eq!(redacted("postgres://u:a?b@h/db"), "postgres://u:***@h/db");
+        assert_eq!(redacted("redis://a/b@h/0"), "redis://***@h/0");
+        // No scheme: nothing of it is shown.
+        assert_eq!(redacted("admin:hunter2@db:6379"), "(not a URL)");
+    }
+
+    #[test]
+    fn every_cluster_node_gets_the_credentials() {
+        assert_eq!(
+            cluster_nodes("redis+cluster", ":pw@h1:7000,h2:7001"),
+            ["redis://:pw@h1:7000/", "redis://:pw@h2:7001/"]
+        );
+        assert_eq!(
+            cluster_nodes("rediss+cluster", "u:p@h1:7000,h2:7001/0"),
+            ["rediss://u:p@h1:7000/0", "rediss://u:p@h2:7001/0"]
+        );
+        assert_eq!(cluster_nodes("redis+cluster", "h1:7000"), ["redis://h1:7000/"]);
     }
 
     #[test]

@@ -160,7 +160,7 @@ async fn run(cli: Cli) -> Result<Exit, Failure> {
     match cli.command {
         Command::Inspect { namespace, id } => {
             let key = key(&namespace, &id)?;
-            match store.inspect(&key).await.map_err(store_failed)? {
+            match timed(store.inspect(&key)).await? {
                 Some(record) => {
                     out.record(&record);
                     Ok(Exit::Done)
@@ -177,7 +177,7 @@ async fn run(cli: Cli) -> Result<Exit, Failure> {
         }
         Command::Release { namespace: Some(namespace), id: Some(id), force, .. } => {
             let key = key(&namespace, &id)?;
-            let released = store.release_key(&key, force).await.map_err(store_failed)?;
+            let released = timed(store.release_key(&key, force)).await?;
             out.released_one(&key, &released);
             Ok(match released {
                 Released::Released => Exit::Done,
@@ -203,13 +203,13 @@ async fn run(cli: Cli) -> Result<Exit, Failure> {
                 .to_owned(),
         )),
         Command::Purge => {
-            let purged = store.purge().await.map_err(store_failed)?;
+            let purged = timed(store.purge()).await?;
             out.purged(purged);
             Ok(Exit::Done)
         }
         Command::Stats { namespace } => {
             let filter = Filter { namespace, state: None };
-            let counts = store.stats(&filter).await.map_err(store_failed)?;
+            let counts = timed(store.stats(&filter)).await?;
             out.stats(&counts);
             Ok(Exit::Done)
         }
@@ -220,8 +220,22 @@ fn key(namespace: &str, id: &str) -> Result<Key, Failure> {
     Key::new(namespace, id).map_err(|error| Failure(Exit::Usage, format!("not a key: {error}")))
 }
 
-fn store_failed(error: idempotent_runtime::StoreError) -> Failure {
-    Failure(Exit::Store, format!("the store failed: {error}"))
+/// How long one store operation may take: a release can wait for a row lock an
+/// open transaction holds, and a command must not hang on it.
+const OPERATION_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(30);
+
+/// A store operation, as a command's failure when it fails or takes too long.
+async fn timed<T>(
+    operation: impl std::future::Future<Output = Result<T, idempotent_runtime::StoreError>>,
+) -> Result<T, Failure> {
+    match tokio::time::timeout(OPERATION_TIMEOUT, operation).await {
+        Ok(Ok(answer)) => Ok(answer),
+        Ok(Err(error)) => Err(Failure(Exit::Store, format!("the store failed: {error}"))),
+        Err(_) => Err(Failure(
+            Exit::Store,
+            format!("the store did not answer within {OPERATION_TIMEOUT:?}; nothing more was done"),
+        )),
+    }
 }
 
 /// Prints up to `limit` records, a page at a time.
@@ -235,8 +249,7 @@ async fn list(
     let mut cursor: Option<String> = None;
     let mut left = limit;
     while left > 0 {
-        let page =
-            (store.list(filter, cursor.as_deref(), left.min(PAGE)).await).map_err(store_failed)?;
+        let page = timed(store.list(filter, cursor.as_deref(), left.min(PAGE))).await?;
         for record in page.records.iter().take(left) {
             table.push(record);
         }
@@ -264,16 +277,19 @@ async fn release_all(
 ) -> Result<Exit, Failure> {
     // The keys first, then the releases: deleting while paging through the same keys
     // could skip some.
-    let mut keys = Vec::new();
+    // A set: a Redis SCAN may return a key twice, and a second release could meet a
+    // claim made after the first.
+    let mut keys = std::collections::BTreeSet::new();
     let mut cursor: Option<String> = None;
     loop {
-        let page = store.list(filter, cursor.as_deref(), PAGE).await.map_err(store_failed)?;
+        let page = timed(store.list(filter, cursor.as_deref(), PAGE)).await?;
         keys.extend(page.records.into_iter().map(|record| record.key));
         match page.next {
             Some(next) => cursor = Some(next),
             None => break,
         }
     }
+    let keys: Vec<Vec<u8>> = keys.into_iter().collect();
     if dry_run || keys.is_empty() {
         out.would_release(&keys);
         return Ok(Exit::Done);
@@ -288,10 +304,18 @@ async fn release_all(
             ));
         }
     }
+    // Each only if still in the state it was listed in: a stuck claim may have
+    // finished since, and `--force` must not then delete its DONE record.
     let mut summary = output::Summary::default();
     for stored in &keys {
-        let released = store.release_record(stored, force).await.map_err(store_failed)?;
-        summary.add(stored, released);
+        match timed(store.release_record(stored, filter.state, force)).await {
+            Ok(released) => summary.add(stored, released),
+            Err(failure) => {
+                // What was released so far, before the error.
+                out.released_many(&summary);
+                return Err(failure);
+            }
+        }
     }
     out.released_many(&summary);
     Ok(if summary.refused.is_empty() { Exit::Done } else { Exit::Refused })

@@ -2,11 +2,26 @@
 //! printed escaped (`\xNN` for bytes that are not printable ASCII), so an id a
 //! producer chose cannot move the cursor or forge lines on an operator's terminal.
 
+use std::fmt;
+use std::io::Write as _;
 use std::time::Duration;
 
 use idempotent_runtime::Key;
 use idempotent_runtime::store::admin::{Record, Released, State};
 use serde_json::{Value, json};
+
+/// Prints a line to standard output.
+macro_rules! say {
+    ($($arg:tt)*) => { line(format_args!($($arg)*)) };
+}
+
+/// Writes a line; once nothing reads the output any more (`idempotent list | head`),
+/// the command ends quietly, as other tools do, instead of panicking.
+fn line(args: fmt::Arguments<'_>) {
+    if writeln!(std::io::stdout().lock(), "{args}").is_err() {
+        std::process::exit(0);
+    }
+}
 
 /// Where output goes, and in which form.
 pub struct Output {
@@ -21,7 +36,7 @@ impl Output {
     /// One record, as `inspect` shows it.
     pub fn record(&self, record: &Record) {
         if self.json {
-            println!("{}", record_json(record));
+            say!("{}", record_json(record));
             return;
         }
         let rows = [
@@ -34,19 +49,16 @@ impl Output {
             ("cached result", record.result_len.map_or("-".to_owned(), |n| format!("{n} bytes"))),
         ];
         for (name, value) in rows {
-            println!("{name:<14}{value}");
+            say!("{name:<14}{value}");
         }
     }
 
     /// `inspect` found no record.
     pub fn missing(&self, key: &Key) {
         if self.json {
-            println!("{}", json!({ "key": escaped(key.as_bytes()), "state": Value::Null }));
+            say!("{}", json!({ "key": escaped(key.as_bytes()), "state": Value::Null }));
         } else {
-            println!(
-                "no record for {} (never claimed, expired or released)",
-                escaped(key.as_bytes())
-            );
+            say!("no record for {} (never claimed, expired or released)", escaped(key.as_bytes()));
         }
     }
 
@@ -63,13 +75,13 @@ impl Output {
                 Released::NotFound => ("not_found", None),
                 Released::Refused(why) => ("refused", Some(why.as_str())),
             };
-            println!("{}", json!({ "key": key, "outcome": outcome, "why": why }));
+            say!("{}", json!({ "key": key, "outcome": outcome, "why": why }));
             return;
         }
         match released {
-            Released::Released => println!("released {key}: the next delivery processes it"),
-            Released::NotFound => println!("no record for {key}: nothing to release"),
-            Released::Refused(why) => println!("refused {key}: {why}"),
+            Released::Released => say!("released {key}: the next delivery processes it"),
+            Released::NotFound => say!("no record for {key}: nothing to release"),
+            Released::Refused(why) => say!("refused {key}: {why}"),
         }
     }
 
@@ -77,17 +89,17 @@ impl Output {
     pub fn would_release(&self, keys: &[Vec<u8>]) {
         if self.json {
             let keys: Vec<String> = keys.iter().map(|key| escaped(key)).collect();
-            println!("{}", json!({ "would_release": keys }));
+            say!("{}", json!({ "would_release": keys }));
             return;
         }
         if keys.is_empty() {
-            println!("no record matches: nothing to release");
+            say!("no record matches: nothing to release");
             return;
         }
         for key in keys {
-            println!("would release {}", escaped(key));
+            say!("would release {}", escaped(key));
         }
-        println!("{} record(s); run again without --dry-run to release them", keys.len());
+        say!("{} record(s); run again without --dry-run to release them", keys.len());
     }
 
     pub fn released_many(&self, summary: &Summary) {
@@ -95,7 +107,7 @@ impl Output {
             let refused: Vec<Value> = (summary.refused.iter())
                 .map(|(key, why)| json!({ "key": escaped(key), "why": why }))
                 .collect();
-            println!(
+            say!(
                 "{}",
                 json!({
                     "released": summary.released,
@@ -106,9 +118,9 @@ impl Output {
             return;
         }
         for (key, why) in &summary.refused {
-            println!("refused {}: {why}", escaped(key));
+            say!("refused {}: {why}", escaped(key));
         }
-        println!(
+        say!(
             "released {} record(s); {} gone meanwhile; {} refused",
             summary.released,
             summary.gone,
@@ -118,9 +130,9 @@ impl Output {
 
     pub fn purged(&self, purged: u64) {
         if self.json {
-            println!("{}", json!({ "purged": purged }));
+            say!("{}", json!({ "purged": purged }));
         } else {
-            println!("purged {purged} expired record(s)");
+            say!("purged {purged} expired record(s)");
         }
     }
 
@@ -131,7 +143,7 @@ impl Output {
                     json!({ "namespace": escaped(namespace.as_bytes()), "state": state.label(), "count": count })
                 })
                 .collect();
-            println!("{}", Value::Array(rows));
+            say!("{}", Value::Array(rows));
             return;
         }
         let rows: Vec<Vec<String>> = (counts.iter())
@@ -172,7 +184,7 @@ pub struct RecordTable {
 impl RecordTable {
     pub fn push(&mut self, record: &Record) {
         if self.json {
-            println!("{}", record_json(record));
+            say!("{}", record_json(record));
             return;
         }
         self.rows.push(vec![
@@ -190,7 +202,7 @@ impl RecordTable {
             return;
         }
         if self.rows.is_empty() {
-            println!("no records");
+            say!("no records");
             return;
         }
         print_table(
@@ -224,7 +236,7 @@ fn print_table(header: &[&str], rows: &[Vec<String>]) {
     let line = |cells: &mut dyn Iterator<Item = &str>| {
         let padded: Vec<String> =
             cells.zip(&widths).map(|(cell, width)| format!("{cell:<width$}")).collect();
-        println!("{}", padded.join("  ").trim_end());
+        say!("{}", padded.join("  ").trim_end());
     };
     line(&mut header.iter().copied());
     for row in rows {

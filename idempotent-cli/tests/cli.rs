@@ -126,6 +126,19 @@ async fn session<S: Store>(store: &S, url: &str, at: &str) {
     };
     assert_eq!((count("done"), count("in_progress"), count("failed")), (2, 1, 0), "{counts}");
 
+    // Nothing reads the output any more (`idempotent list | head -0`): a quiet end,
+    // not a panic.
+    let mut child = Command::new(env!("CARGO_BIN_EXE_idempotent"))
+        .args(["--store", url, "--at", at, "--json", "list", "--namespace", ns])
+        .env_remove("IDEMPOTENT_STORE")
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    drop(child.stdout.take());
+    let closed = child.wait_with_output().unwrap();
+    assert_eq!(code(&closed), 0, "{}", String::from_utf8_lossy(&closed.stderr));
+
     let purged = idempotent(url, at, &["purge"]);
     assert_eq!(code(&purged), 0, "{purged:?}");
 }
@@ -193,6 +206,18 @@ fn bad_urls_and_unreachable_stores_say_so_without_the_password() {
     let said = String::from_utf8_lossy(&down.stderr);
     assert!(said.contains("redis://admin:***@127.0.0.1:1/0"), "{said}");
     assert!(!said.contains("hunter2"), "{said}");
+
+    // A password that was not percent-encoded, and a URL without its scheme.
+    for url in [
+        "redis://:hun/ter2@127.0.0.1:1/0",
+        "postgres://app:hun?ter2@127.0.0.1:1/db",
+        "admin:hunter2@db:6379",
+    ] {
+        let failed = run(url);
+        assert!([2, 3].contains(&code(&failed)), "{failed:?}");
+        let said = String::from_utf8_lossy(&failed.stderr);
+        assert!(!said.contains("ter2"), "{said}");
+    }
 
     let pg_down = run("postgres://app:hunter2@127.0.0.1:1/db");
     assert_eq!(code(&pg_down), 3);

@@ -6,7 +6,7 @@
 //! | Name | Kind | Labels | What |
 //! |---|---|---|---|
 //! | [`idempotent_calls_total`](CALLS_TOTAL) | counter | `namespace`, `outcome` | calls of `#[idempotent]` handlers, by how they ended |
-//! | [`idempotent_claim_seconds`](CLAIM_SECONDS) | histogram | `namespace` | how long the claim took, for calls whose key was built |
+//! | [`idempotent_claim_seconds`](CLAIM_SECONDS) | histogram | `namespace` | how long the claim took (for a transactional handler, with its transaction's start) |
 //! | [`idempotent_handler_seconds`](HANDLER_SECONDS) | histogram | `namespace` | how long the handler body ran, for calls that ran it |
 //! | [`idempotent_store_errors_total`](STORE_ERRORS_TOTAL) | counter | `namespace`, `operation` | store operations that failed, retries included |
 //! | [`idempotent_consumer_in_flight`](CONSUMER_IN_FLIGHT) | gauge | `broker`, `source` | deliveries a consumer has taken and not yet settled |
@@ -24,9 +24,17 @@
 //!   `ack`, `retry` or `dead_letter`.
 //!
 //! A call's handles are registered once per thread, namespace and recorder and then
-//! reused, so a call costs a few atomic operations and three clock reads. Handles follow
-//! the recorder in force where the call runs (the global one, or a thread's local one):
-//! install the exporter's recorder before the first call, as exporters ask anyway.
+//! reused, so a call costs a few atomic operations and two clock reads. Handles follow
+//! the recorder in force where the call runs (the global one, or a thread's local one),
+//! told apart by its address: install the exporter's recorder before the first call,
+//! as exporters ask anyway. (A recorder dropped, and another made at the same address
+//! on the same thread, as a test helper called twice may do, gets the first one's
+//! handles: give such tests a thread each.)
+//!
+//! A call whose claim did not answer (a runtime without a timer, a call dropped
+//! during it) has no claim time. A panic that unwinds out of a call itself (a store
+//! implementation's, or a cached result's `Deserialize`), rather than out of the
+//! handler body, which is caught, counts as `cancelled`.
 //!
 //! A sample, as the Prometheus exporter renders it (buckets left out):
 //!

@@ -216,6 +216,25 @@ async fn check_release<S: Store + Admin>(store: &S, keys: &Keys) {
     assert_eq!(store.release_key(&keys.live, true).await.unwrap(), Released::Released);
     assert_eq!(store.release_key(&keys.live, false).await.unwrap(), Released::NotFound);
 
+    // A stuck claim listed, then finished before its release comes: even with force,
+    // a release of what was listed as in progress leaves the DONE record alone.
+    let changing = Key::new(&keys.namespace, "changing").unwrap();
+    let token = won(store, &changing, LEASE, None).await;
+    let filter = Filter { namespace: Some(keys.namespace.clone()), state: Some(State::InProgress) };
+    let listed = list_all(store, &filter, 100).await;
+    let stuck = listed.iter().find(|r| r.id == b"changing").expect("listed in progress");
+    assert_eq!(store.complete(&changing, token, TTL, None).await.unwrap(), Transition::Applied);
+    match store.release_record(&stuck.key, Some(State::InProgress), true).await.unwrap() {
+        Released::Refused(why) => assert!(why.contains("done now"), "{why}"),
+        other => panic!("a record that changed since it was listed was released: {other:?}"),
+    }
+    assert_eq!(store.inspect(&changing).await.unwrap().map(|r| r.state), Some(State::Done));
+    assert_eq!(
+        store.release_record(&stuck.key, Some(State::Done), false).await.unwrap(),
+        Released::Refused("DONE: pass force to reprocess it".to_owned()),
+        "in the expected state, the usual rules apply"
+    );
+
     // A hashed id is released from its listing, where only the hash is known.
     let filter = Filter { namespace: Some(keys.namespace.clone()), state: Some(State::Done) };
     let listed = list_all(store, &filter, 100).await;
@@ -224,10 +243,10 @@ async fn check_release<S: Store + Admin>(store: &S, keys: &Keys) {
         .expect("the hashed record is listed");
     assert_eq!(hashed.key, store.record_key(&keys.hashed));
     assert!(matches!(
-        store.release_record(&hashed.key, false).await.unwrap(),
+        store.release_record(&hashed.key, None, false).await.unwrap(),
         Released::Refused(_)
     ));
-    assert_eq!(store.release_record(&hashed.key, true).await.unwrap(), Released::Released);
+    assert_eq!(store.release_record(&hashed.key, None, true).await.unwrap(), Released::Released);
     assert_eq!(store.inspect(&keys.hashed).await.unwrap(), None);
 }
 

@@ -255,13 +255,22 @@ pub trait Admin: Send + Sync {
     /// a live lease (another consumer runs it now) are [`Released::Refused`] unless
     /// `force`. The check and the delete are one atomic step.
     async fn release_key(&self, key: &Key, force: bool) -> Result<Released, StoreError> {
-        self.release_record(&self.record_key(key), force).await
+        self.release_record(&self.record_key(key), None, force).await
     }
 
     /// [`release_key`](Admin::release_key) for the record [`list`](Admin::list) showed
     /// under `record_key` ([`Record::key`]): a key whose id is stored hashed can be
-    /// released from a listing, where only the hash is known.
-    async fn release_record(&self, record_key: &[u8], force: bool) -> Result<Released, StoreError>;
+    /// released from a listing, where only the hash is known. With `expected`, the
+    /// record is released only if it is still in that state (checked in the same
+    /// atomic step): a record listed as FAILED, or as a stuck claim, may have been
+    /// taken over and finished since, and `force` must not then delete a DONE record
+    /// nobody asked about. A record in another state is [`Released::Refused`].
+    async fn release_record(
+        &self,
+        record_key: &[u8],
+        expected: Option<State>,
+        force: bool,
+    ) -> Result<Released, StoreError>;
 
     /// The [`Record::key`] the record of `key` is listed under: the key as this store
     /// keeps it (ids too long, or starting with `sha256:`, as their hash).
@@ -285,8 +294,8 @@ macro_rules! forward_admin {
             async fn list(&self, filter: &Filter, cursor: Option<&str>, limit: usize) -> Result<Page, StoreError> {
                 (**self).list(filter, cursor, limit).await
             }
-            async fn release_record(&self, record_key: &[u8], force: bool) -> Result<Released, StoreError> {
-                (**self).release_record(record_key, force).await
+            async fn release_record(&self, record_key: &[u8], expected: Option<State>, force: bool) -> Result<Released, StoreError> {
+                (**self).release_record(record_key, expected, force).await
             }
             fn record_key(&self, key: &Key) -> Vec<u8> {
                 (**self).record_key(key)
@@ -302,6 +311,15 @@ macro_rules! forward_admin {
 }
 
 forward_admin!(&A, Arc<A>, Box<A>);
+
+/// The refusal for a record that is no longer in the state it was listed in.
+pub(crate) fn changed(now: Option<State>, expected: State) -> Released {
+    let now = now.map_or("unreadable", State::label);
+    Released::Refused(format!(
+        "the record is {now} now, not {}: it changed since it was listed; left as it is",
+        expected.label()
+    ))
+}
 
 /// The refusal for a record whose state needs `force`, or `None` if it may go.
 pub(crate) fn refusal(state: State, lease_left: Option<Duration>) -> Option<String> {

@@ -544,6 +544,8 @@ impl admin::Admin for MemoryStore {
     ) -> Result<admin::Page, StoreError> {
         let after = cursor.map(admin::unhex).transpose()?;
         let now = self.now();
+        // As the other stores: at least one record a page, and no overflow below.
+        let limit = limit.clamp(1, usize::MAX - 1);
         // The `limit + 1` smallest keys after the cursor, to know whether more follow.
         let mut page = BTreeMap::<Vec<u8>, admin::Record>::new();
         for shard in self.shards.iter() {
@@ -581,6 +583,7 @@ impl admin::Admin for MemoryStore {
     async fn release_record(
         &self,
         record_key: &[u8],
+        expected: Option<admin::State>,
         force: bool,
     ) -> Result<admin::Released, StoreError> {
         let now = self.now();
@@ -593,6 +596,9 @@ impl admin::Admin for MemoryStore {
         let Some(record) = entry.get().admin_record(now) else {
             return Ok(admin::Released::NotFound);
         };
+        if let Some(expected) = expected.filter(|&expected| record.state != expected) {
+            return Ok(admin::changed(Some(record.state), expected));
+        }
         if !force {
             if let Some(why) = admin::refusal(record.state, record.lease_left) {
                 return Ok(admin::Released::Refused(why));
@@ -729,6 +735,11 @@ mod tests {
         assert_eq!(store.inspect(&key("a", 3)).await.unwrap().unwrap().lease_left, None);
         assert_eq!(store.release_key(&key("a", 3), false).await.unwrap(), Released::Released);
         assert_eq!(store.release_key(&key("a", 3), false).await.unwrap(), Released::NotFound);
+        // The extreme limits: none is lost to an overflow, a zero limit still pages.
+        let all = store.list(&Filter::default(), None, usize::MAX).await.unwrap();
+        assert!(!all.records.is_empty() && all.next.is_none());
+        let one = store.list(&Filter::default(), None, 0).await.unwrap();
+        assert_eq!(one.records.len(), 1);
         tokio::time::advance(LEASE).await;
         assert_eq!(store.purge().await.unwrap(), 10);
         assert_eq!(store.len(), 8);

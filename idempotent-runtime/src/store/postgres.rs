@@ -660,6 +660,7 @@ ORDER BY key LIMIT $5"
     async fn release_record(
         &self,
         record_key: &[u8],
+        expected: Option<admin::State>,
         force: bool,
     ) -> Result<admin::Released, StoreError> {
         let t = &self.sql.table;
@@ -669,7 +670,7 @@ ORDER BY key LIMIT $5"
         let row: (i64, Option<i8>, Option<bool>, Option<i64>) =
             sqlx::query_as(AssertSqlSafe(format!(
                 "WITH gone AS (
-    DELETE FROM {t} WHERE key = $1
+    DELETE FROM {t} WHERE key = $1 AND ($3::\"char\" IS NULL OR state = $3::\"char\")
       AND ($2 OR expires_at <= clock_timestamp() OR state IN ('F', 'R')
            OR (state = 'P' AND lease_until <= clock_timestamp()))
     RETURNING expires_at > clock_timestamp() AS live
@@ -681,6 +682,7 @@ FROM (SELECT) AS one LEFT JOIN {t} r ON r.key = $1"
             )))
             .bind(record_key)
             .bind(force)
+            .bind(expected.map(|state| state.letter() as i8))
             .fetch_one(&self.pool)
             .await
             .map_err(sql::store_error)?;
@@ -692,6 +694,9 @@ FROM (SELECT) AS one LEFT JOIN {t} r ON r.key = $1"
             (Some(state), Some(true)) => admin::State::from_letter(state as u8),
             _ => return Ok(admin::Released::NotFound),
         };
+        if let Some(expected) = expected.filter(|&expected| state != Some(expected)) {
+            return Ok(admin::changed(state, expected));
+        }
         let lease_left = lease_ms.map(|ms| Duration::from_millis(u64::try_from(ms).unwrap_or(0)));
         match state.and_then(|state| admin::refusal(state, lease_left)) {
             Some(why) => Ok(admin::Released::Refused(why)),

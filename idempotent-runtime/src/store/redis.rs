@@ -145,14 +145,15 @@ return {redis.call('GETRANGE', KEYS[1], 0, 255), redis.call('STRLEN', KEYS[1]),
 pub const ADMIN_RELEASE_SCRIPT: &str = r"
 local r = redis.call('GET', KEYS[1])
 if not r then return {'N'} end
+local head = string.sub(r, 1, 256)
+local s, t, held = string.match(head, '^(%u)(%S+) (%d+) %d+ %S+ ')
+local deadline
+if not s then
+  s, deadline = string.match(head, '^(%u) %d+ (%d+) %S+ %S+ ')
+end
+if ARGV[2] ~= '' and s ~= ARGV[2] then return {'C', s or ''} end
 if ARGV[1] ~= '1' then
-  local head = string.sub(r, 1, 256)
-  local s, t, held = string.match(head, '^(%u)(%S+) (%d+) %d+ %S+ ')
-  local deadline
-  if not s then
-    s, deadline = string.match(head, '^(%u) %d+ (%d+) %S+ %S+ ')
-    if not s then return {'U'} end
-  end
+  if not s then return {'U'} end
   if s == 'D' then return {'D'} end
   if s == 'P' then
     local left
@@ -896,15 +897,18 @@ impl admin::Admin for RedisStore {
     async fn release_record(
         &self,
         record_key: &[u8],
+        expected: Option<admin::State>,
         force: bool,
     ) -> Result<admin::Released, StoreError> {
         let force: &[u8] = if force { b"1" } else { b"0" };
+        let expected_letter = expected.map(admin::State::letter);
+        let expected_arg: &[u8] = expected_letter.as_ref().map_or(b"", std::slice::from_ref);
         let mut redis_key = Vec::with_capacity(self.prefix.len() + 1 + record_key.len());
         redis_key.extend_from_slice(self.prefix.as_bytes());
         redis_key.push(b':');
         redis_key.extend_from_slice(record_key);
         let reply: Vec<redis::Value> =
-            self.invoke_at(&SCRIPTS.admin_release, &redis_key, &[force]).await?;
+            self.invoke_at(&SCRIPTS.admin_release, &redis_key, &[force, expected_arg]).await?;
         let parse_error = |e: redis::ParsingError| StoreError::Protocol(e.to_string());
         let field = |i: usize| reply.get(i).cloned().unwrap_or(redis::Value::Nil);
         let answer: String = redis::from_redis_value(field(0)).map_err(parse_error)?;
@@ -920,6 +924,11 @@ impl admin::Admin for RedisStore {
                 admin::Released::Refused(
                     admin::refusal(admin::State::InProgress, left).unwrap_or_default(),
                 )
+            }
+            "C" => {
+                let now: Vec<u8> = redis::from_redis_value(field(1)).map_err(parse_error)?;
+                let now = now.first().copied().and_then(admin::State::from_letter);
+                admin::changed(now, expected.unwrap_or(admin::State::InProgress))
             }
             "U" => admin::Released::Refused(
                 "not a record this version reads (written by another program or version): pass force to delete it"
