@@ -3,7 +3,8 @@
 //! own code.
 //!
 //! Implemented by [`MemoryStore`](crate::MemoryStore), `RedisStore` (feature `redis`,
-//! standalone and Cluster) and `PostgresStore` (feature `postgres`). An expired record
+//! standalone and Cluster), `PostgresStore` (feature `postgres`), `MysqlStore`
+//! (feature `mysql`) and `ZooKeeperStore` (feature `zookeeper`). An expired record
 //! counts as absent everywhere: `inspect` answers `None`, `list` and `stats` skip it.
 
 use std::fmt;
@@ -46,7 +47,10 @@ impl State {
     }
 
     /// The letter the Redis and SQL stores keep the state as.
-    #[cfg_attr(not(any(feature = "redis", feature = "postgres")), allow(dead_code))]
+    #[cfg_attr(
+        not(any(feature = "redis", feature = "postgres", feature = "mysql")),
+        allow(dead_code)
+    )]
     pub(crate) fn letter(self) -> u8 {
         match self {
             State::InProgress => b'P',
@@ -56,8 +60,16 @@ impl State {
         }
     }
 
-    /// The state a stored letter stands for.
-    #[cfg_attr(not(any(feature = "redis", feature = "postgres")), allow(dead_code))]
+    /// The state a stored letter stands for (the ZooKeeper store's too).
+    #[cfg_attr(
+        not(any(
+            feature = "redis",
+            feature = "postgres",
+            feature = "mysql",
+            feature = "zookeeper"
+        )),
+        allow(dead_code)
+    )]
     pub(crate) fn from_letter(letter: u8) -> Option<State> {
         match letter {
             b'P' => Some(State::InProgress),
@@ -205,8 +217,9 @@ pub enum Released {
 
 /// Inspects and repairs records.
 ///
-/// Every operation reads the store's own clock (the server's, for Redis and
-/// PostgreSQL), so the answers do not depend on the caller's.
+/// Every operation reads the store's own clock (the server's, for Redis, PostgreSQL
+/// and MySQL; the ensemble leader's, for ZooKeeper), so the answers do not depend on
+/// the caller's.
 ///
 ///
 /// ```
@@ -277,7 +290,7 @@ pub trait Admin: Send + Sync {
     fn record_key(&self, key: &Key) -> Vec<u8>;
 
     /// Deletes expired records now and answers how many. Stores that expire records
-    /// by themselves (Redis) answer 0.
+    /// by themselves (Redis, ZooKeeper) answer 0.
     async fn purge(&self) -> Result<u64, StoreError>;
 
     /// How many live records pass `filter`, by namespace and state, sorted.

@@ -1,5 +1,6 @@
 //! `MysqlStore`: records in a MySQL 8 or MariaDB 10.6+ table.
 
+use std::fmt::Write as _;
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
@@ -7,6 +8,7 @@ use async_trait::async_trait;
 use sqlx::mysql::{MySqlConnection, MySqlExecutor, MySqlPool, MySqlPoolOptions};
 use sqlx::{AssertSqlSafe, SqlSafeStr, SqlStr};
 
+use super::admin;
 use super::sql::{self, PurgeSchedule, millis};
 use crate::{Claim, Fingerprint, Key, Store, StoreError, Token, Transition};
 
@@ -622,6 +624,232 @@ ON DUPLICATE KEY UPDATE
            GREATEST(expires_at, {NOW} + INTERVAL :retention MICROSECOND)),
         expires_at)"
     )
+}
+
+/// The columns [`Admin`](admin::Admin) reads, against the server's clock (each one
+/// cast to a signed `BIGINT` where it is a number, which is what sqlx decodes as
+/// `i64`): key, state, attempts, lease ms left (live leases only, rounded up), ttl ms
+/// left (rounded up), fingerprint, result length.
+fn admin_columns() -> String {
+    format!(
+        "`key`, state, attempts,
+    CASE WHEN state = 'P' AND lease_until > {NOW}
+         THEN CAST((TIMESTAMPDIFF(MICROSECOND, {NOW}, lease_until) + 999) DIV 1000 AS SIGNED)
+    END,
+    CAST(GREATEST(0, (TIMESTAMPDIFF(MICROSECOND, {NOW}, expires_at) + 999) DIV 1000) AS SIGNED),
+    fingerprint, CAST(LENGTH(result) AS SIGNED)"
+    )
+}
+
+type AdminRow = (Vec<u8>, Vec<u8>, i32, Option<i64>, i64, Option<Vec<u8>>, Option<i64>);
+
+fn admin_state(letter: &[u8]) -> Result<admin::State, StoreError> {
+    match letter {
+        [one] => admin::State::from_letter(*one),
+        _ => None,
+    }
+    .ok_or_else(|| {
+        StoreError::Protocol(format!("record state {:?} in the table", letter.escape_ascii()))
+    })
+}
+
+fn admin_record(row: AdminRow) -> Result<admin::Record, StoreError> {
+    let (key, state, attempts, lease_ms, ttl_ms, fingerprint, result_len) = row;
+    let state = admin_state(&state)?;
+    let (namespace, id) = admin::Record::split(&key);
+    let millis = |ms: i64| Duration::from_millis(u64::try_from(ms).unwrap_or(0));
+    Ok(admin::Record {
+        key,
+        namespace,
+        id,
+        state,
+        attempts: u32::try_from(attempts).unwrap_or(0),
+        lease_left: lease_ms.map(millis),
+        ttl_left: Some(millis(ttl_ms)),
+        fingerprint: fingerprint.map(|f| admin::hex(&f)),
+        result_len: result_len.map(|n| usize::try_from(n).unwrap_or(0)),
+    })
+}
+
+/// The conditions, beside the record being live, that [`Admin`](admin::Admin)'s
+/// `list` (`after` the cursor) and `stats` put on the primary key and state, and the
+/// values they bind, in order. A namespace is a key range, from `ns:` up to, not
+/// including, `ns;` (`;` follows `:`), so the primary key's index serves it. Only the
+/// conditions that apply are written: `? IS NULL OR ...` would keep the optimizer from
+/// using the index's range.
+fn admin_conditions(filter: &admin::Filter, after: Option<Vec<u8>>) -> (String, Vec<Vec<u8>>) {
+    let mut sql = format!("expires_at > {NOW}");
+    let mut values = Vec::new();
+    if let Some(after) = after {
+        sql.push_str(" AND `key` > ?");
+        values.push(after);
+    }
+    if let Some(ns) = &filter.namespace {
+        sql.push_str(" AND `key` >= ? AND `key` < ?");
+        values.push(format!("{ns}:").into_bytes());
+        values.push(format!("{ns};").into_bytes());
+    }
+    if let Some(state) = filter.state {
+        // A letter of a closed set: written into the text, as the store's own
+        // statements write theirs.
+        let _ = write!(sql, " AND state = '{}'", state.letter() as char);
+    }
+    (sql, values)
+}
+
+/// Reads the server's clock (`UTC_TIMESTAMP(6)`). `list` walks the primary key
+/// (keyset pagination: the cursor is the last key listed); `release` is a
+/// `DELETE ... WHERE` the record may go, then, when it stayed, a read to say why;
+/// `purge` deletes expired records [`PURGE_BATCH`] at a time until none are left.
+#[async_trait]
+impl admin::Admin for MysqlStore {
+    async fn inspect(&self, key: &Key) -> Result<Option<admin::Record>, StoreError> {
+        let t = &self.sql.quoted;
+        let columns = admin_columns();
+        let row: Option<AdminRow> = sqlx::query_as(AssertSqlSafe(format!(
+            "SELECT {columns} FROM {t} WHERE `key` = ? AND expires_at > {NOW}"
+        )))
+        .bind(key.stored().as_ref())
+        .fetch_optional(&self.pool)
+        .await
+        .map_err(sql::store_error)?;
+        row.map(admin_record).transpose()
+    }
+
+    async fn list(
+        &self,
+        filter: &admin::Filter,
+        cursor: Option<&str>,
+        limit: usize,
+    ) -> Result<admin::Page, StoreError> {
+        let t = &self.sql.quoted;
+        let after = cursor.map(admin::unhex).transpose()?;
+        let limit = limit.max(1);
+        let (conditions, values) = admin_conditions(filter, after);
+        let columns = admin_columns();
+        let sql = format!("SELECT {columns} FROM {t} WHERE {conditions} ORDER BY `key` LIMIT ?");
+        let mut query = sqlx::query_as::<_, AdminRow>(AssertSqlSafe(sql));
+        for value in values {
+            query = query.bind(value);
+        }
+        let rows = query
+            .bind(i64::try_from(limit).unwrap_or(i64::MAX).saturating_add(1))
+            .fetch_all(&self.pool)
+            .await
+            .map_err(sql::store_error)?;
+        let more = rows.len() > limit;
+        let records =
+            rows.into_iter().take(limit).map(admin_record).collect::<Result<Vec<_>, _>>()?;
+        let next = match records.last() {
+            Some(last) if more => Some(admin::hex(&last.key)),
+            _ => None,
+        };
+        Ok(admin::Page { records, next })
+    }
+
+    fn record_key(&self, key: &Key) -> Vec<u8> {
+        key.stored().into_owned()
+    }
+
+    /// The deletes are the only writes, and each checks its own condition on the
+    /// row's latest committed version (a `DELETE` is a locking read whatever the
+    /// isolation level): first a live record that may go (or any live one, with
+    /// `force`), then an expired one (which counts as absent: `NotFound`). The read
+    /// that follows only explains why the record stayed; a record that changed in
+    /// between is never deleted on the strength of that read.
+    async fn release_record(
+        &self,
+        record_key: &[u8],
+        force: bool,
+    ) -> Result<admin::Released, StoreError> {
+        let t = &self.sql.quoted;
+        let may_go = if force {
+            String::new()
+        } else {
+            format!(" AND (state IN ('F', 'R') OR (state = 'P' AND lease_until <= {NOW}))")
+        };
+        let deleted = sqlx::query(AssertSqlSafe(format!(
+            "{LOCK_WAIT}DELETE FROM {t} WHERE `key` = ? AND expires_at > {NOW}{may_go}"
+        )))
+        .bind(record_key)
+        .execute(&self.pool)
+        .await
+        .map_err(sql::store_error)?;
+        if deleted.rows_affected() > 0 {
+            return Ok(admin::Released::Released);
+        }
+        let expired = sqlx::query(AssertSqlSafe(format!(
+            "{LOCK_WAIT}DELETE FROM {t} WHERE `key` = ? AND expires_at <= {NOW}"
+        )))
+        .bind(record_key)
+        .execute(&self.pool)
+        .await
+        .map_err(sql::store_error)?;
+        if expired.rows_affected() > 0 {
+            return Ok(admin::Released::NotFound);
+        }
+        let row: Option<(Vec<u8>, Option<i64>)> = sqlx::query_as(AssertSqlSafe(format!(
+            "SELECT state,
+       CASE WHEN state = 'P' AND lease_until > {NOW}
+            THEN CAST((TIMESTAMPDIFF(MICROSECOND, {NOW}, lease_until) + 999) DIV 1000 AS SIGNED)
+       END
+FROM {t} WHERE `key` = ? AND expires_at > {NOW}"
+        )))
+        .bind(record_key)
+        .fetch_optional(&self.pool)
+        .await
+        .map_err(sql::store_error)?;
+        // Gone since the deletes (released by someone else, or expired): absent.
+        let Some((state, lease_ms)) = row else { return Ok(admin::Released::NotFound) };
+        let lease_left = lease_ms.map(|ms| Duration::from_millis(u64::try_from(ms).unwrap_or(0)));
+        match admin::refusal(admin_state(&state)?, lease_left) {
+            Some(why) => Ok(admin::Released::Refused(why)),
+            // Changed between the delete's check and the read (failed, released or
+            // lapsed since, or taken over): nothing was deleted; the caller may ask
+            // again.
+            None => Ok(admin::Released::Refused(
+                "the record changed while it was being released: try again".to_owned(),
+            )),
+        }
+    }
+
+    async fn purge(&self) -> Result<u64, StoreError> {
+        let mut total = 0;
+        loop {
+            let purged = self.purge_expired(PURGE_BATCH).await?;
+            total += purged;
+            if purged < PURGE_BATCH as u64 {
+                return Ok(total);
+            }
+        }
+    }
+
+    async fn stats(
+        &self,
+        filter: &admin::Filter,
+    ) -> Result<Vec<(String, admin::State, u64)>, StoreError> {
+        let t = &self.sql.quoted;
+        let (conditions, values) = admin_conditions(filter, None);
+        // The namespace is the key up to its first ':' (X'3a', a binary string, so the
+        // key is cut byte by byte); all of it when it has none, as `Record::split` does.
+        let sql = format!(
+            "SELECT SUBSTRING_INDEX(`key`, X'3a', 1), state, CAST(COUNT(*) AS SIGNED)
+FROM {t} WHERE {conditions} GROUP BY 1, 2"
+        );
+        let mut query = sqlx::query_as::<_, (Vec<u8>, Vec<u8>, i64)>(AssertSqlSafe(sql));
+        for value in values {
+            query = query.bind(value);
+        }
+        let rows = query.fetch_all(&self.pool).await.map_err(sql::store_error)?;
+        let mut counts = std::collections::BTreeMap::<(String, admin::State), u64>::new();
+        for (namespace, state, count) in rows {
+            let namespace = String::from_utf8_lossy(&namespace).into_owned();
+            // Namespaces that differ only in bytes that are not UTF-8 fall together.
+            *counts.entry((namespace, admin_state(&state)?)).or_default() +=
+                u64::try_from(count).unwrap_or(0);
+        }
+        Ok(counts.into_iter().map(|((ns, state), n)| (ns, state, n)).collect())
+    }
 }
 
 #[async_trait]

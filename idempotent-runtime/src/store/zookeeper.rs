@@ -34,6 +34,7 @@ use async_trait::async_trait;
 use sha2::{Digest, Sha256};
 use zookeeper_client as zk;
 
+use super::admin;
 use crate::{Claim, Fingerprint, Key, Store, StoreError, Token, Transition, claim_retention};
 
 /// The parent of every record unless configured.
@@ -172,12 +173,16 @@ impl ZooKeeperStore {
 
     /// The record's path and its bucket's.
     fn paths(&self, key: &Key) -> (String, String) {
-        let stored = key.stored();
-        let bucket = format!("{}/{:02x}", self.inner.root, Sha256::digest(&stored)[0]);
+        self.paths_of(&key.stored())
+    }
+
+    /// The path of the record stored under `stored` ([`Key::stored`]) and its bucket's.
+    fn paths_of(&self, stored: &[u8]) -> (String, String) {
+        let bucket = format!("{}/{:02x}", self.inner.root, Sha256::digest(stored)[0]);
         let mut path = String::with_capacity(bucket.len() + 1 + 2 * stored.len());
         path.push_str(&bucket);
         path.push('/');
-        for byte in stored.iter() {
+        for byte in stored {
             let _ = write!(path, "{byte:02x}");
         }
         (path, bucket)
@@ -657,6 +662,300 @@ fn zk_error(error: zk::Error) -> StoreError {
     }
 }
 
+/// How many records' znodes one page of [`Admin::list`](admin::Admin::list) reads at
+/// most before it returns what it found: a filter that few records pass does not
+/// make one call read the whole ensemble.
+const LIST_READ_BUDGET: usize = 10_000;
+
+/// How many record names one page lists at most (a bucket's children come whole,
+/// so a page may go past it by one bucket).
+const LIST_NAME_BUDGET: usize = 100_000;
+
+/// How many znodes one page reads at once (pipelined on the session).
+const LIST_READS_IN_FLIGHT: usize = 64;
+
+/// Whether `name` is a bucket's: two lower-case hex digits.
+fn is_bucket(name: &str) -> bool {
+    name.len() == 2 && name.bytes().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f'))
+}
+
+/// Whether `name` is a record's: a stored key in lower-case hex.
+fn is_record_name(name: &str) -> bool {
+    !name.is_empty()
+        && name.len() % 2 == 0
+        && name.bytes().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f'))
+}
+
+/// Where a listing resumes: after the record `child` of `bucket` (from the bucket's
+/// first record when `child` is empty). Written `bucket/child`.
+fn parse_list_cursor(text: &str) -> Result<(String, String), StoreError> {
+    let bad = || StoreError::Protocol(format!("`{text}` is not a cursor `list` gave"));
+    let (bucket, child) = text.split_once('/').ok_or_else(bad)?;
+    if !is_bucket(bucket) || !(child.is_empty() || is_record_name(child)) {
+        return Err(bad());
+    }
+    Ok((bucket.to_owned(), child.to_owned()))
+}
+
+impl ZooKeeperStore {
+    /// The record a znode holds, as an operator sees it; `None` when it has expired
+    /// (by the leader's clock `now`, in ms).
+    fn admin_record(
+        stored: Vec<u8>,
+        record: &Record,
+        stat: &zk::Stat,
+        now: i64,
+    ) -> Option<admin::Record> {
+        let expires = stat.mtime.saturating_add(record.keep);
+        if now >= expires {
+            return None;
+        }
+        let state = admin::State::from_letter(record.state)?;
+        let lease_until = stat.mtime.saturating_add(record.lease);
+        // A claim holds while its lease runs and its session's child exists.
+        let lease_left = (record.state == b'P' && now < lease_until && stat.num_children > 0)
+            .then(|| Duration::from_millis((lease_until - now) as u64));
+        let (namespace, id) = admin::Record::split(&stored);
+        Some(admin::Record {
+            key: stored,
+            namespace,
+            id,
+            state,
+            attempts: record.attempts,
+            lease_left,
+            ttl_left: Some(Duration::from_millis((expires - now) as u64)),
+            fingerprint: record.fingerprint.clone(),
+            // An empty result is no cached result: a claim answers `Done` for it.
+            result_len: (!record.result.is_empty()).then_some(record.result.len()),
+        })
+    }
+
+    /// Deletes the znode at `path`, read as `stat`, with its children (a claim's
+    /// ephemeral child), if its version is still the one read and it has no other
+    /// children. `Ok(false)` when it changed (or went) since it was read.
+    async fn delete_record(
+        &self,
+        client: &zk::Client,
+        path: &str,
+        stat: &zk::Stat,
+    ) -> Result<bool, StoreError> {
+        let children = if stat.num_children > 0 {
+            match client.list_children(path).await {
+                Ok(children) => children,
+                Err(zk::Error::NoNode) => return Ok(false),
+                Err(e) => return Err(zk_error(e)),
+            }
+        } else {
+            Vec::new()
+        };
+        let mut writer = client.new_multi_writer();
+        let staged = (|| {
+            for child in &children {
+                writer.add_delete(&format!("{path}/{child}"), None)?;
+            }
+            writer.add_delete(path, Some(stat.version))
+        })();
+        staged.map_err(zk_error)?;
+        match writer.commit().await {
+            Ok(_) => Ok(true),
+            Err(zk::MultiWriteError::OperationFailed {
+                source: zk::Error::BadVersion | zk::Error::NoNode | zk::Error::NotEmpty,
+                ..
+            }) => Ok(false),
+            Err(e) => Err(zk_error(e.into())),
+        }
+    }
+}
+
+/// Walks the znodes: `list` goes through the buckets under the root in order, and
+/// each bucket's records in the order of their names (the stored key in hex, so in
+/// key order within a bucket); the cursor is `bucket/record` of the last record
+/// looked at. Times are the leader's clock (each znode's `mtime`, and the store's
+/// estimate of the leader's clock now). `release` reads the record, then deletes its
+/// znode (with its claim's ephemeral child) in one transaction conditional on the
+/// version read, so a record that changed in between stays; such a race is read
+/// again once, then answered `Refused` ("try again"). (A znode deleted and written
+/// again in between, back at the version read, would pass for the one read: that
+/// takes a new claim and its transition within the one round trip.) `purge` answers
+/// 0: ZooKeeper deletes expired records itself (TTL znodes, some time after they
+/// expire; until then they count as absent). `stats` walks every record.
+#[async_trait]
+impl admin::Admin for ZooKeeperStore {
+    async fn inspect(&self, key: &Key) -> Result<Option<admin::Record>, StoreError> {
+        let client = self.client().await?;
+        let (path, _) = self.paths(key);
+        let Some((record, stat, now)) = self.read(&client, &path).await? else { return Ok(None) };
+        Ok(ZooKeeperStore::admin_record(key.stored().into_owned(), &record, &stat, now))
+    }
+
+    async fn list(
+        &self,
+        filter: &admin::Filter,
+        cursor: Option<&str>,
+        limit: usize,
+    ) -> Result<admin::Page, StoreError> {
+        let client = self.client().await?;
+        let root = &self.inner.root;
+        let (from_bucket, after) = match cursor {
+            Some(text) => parse_list_cursor(text)?,
+            None => (String::new(), String::new()),
+        };
+        let mut buckets = match client.list_children(root).await {
+            Ok(children) => children,
+            Err(zk::Error::NoNode) => Vec::new(),
+            Err(e) => return Err(zk_error(e)),
+        };
+        buckets.retain(|name| is_bucket(name) && *name >= from_bucket);
+        buckets.sort_unstable();
+        let prefix = filter.namespace.as_ref().map(|ns| admin::hex(format!("{ns}:").as_bytes()));
+        let now = self.now(&client).await?;
+        let limit = limit.max(1);
+        // Records found, with the bucket and name each is listed under; one beyond
+        // the limit tells that more follow.
+        let mut found: Vec<(String, String, admin::Record)> = Vec::new();
+        let (mut reads, mut names) = (0, 0);
+        // Where the next page starts when this one stops before the end.
+        let mut resume: Option<String> = None;
+        'buckets: for bucket in &buckets {
+            if reads >= LIST_READ_BUDGET || names >= LIST_NAME_BUDGET {
+                resume = Some(format!("{bucket}/"));
+                break;
+            }
+            let bucket_path = format!("{root}/{bucket}");
+            let mut children = match client.list_children(&bucket_path).await {
+                Ok(children) => children,
+                // A container ZooKeeper deleted once it was empty.
+                Err(zk::Error::NoNode) => continue,
+                Err(e) => return Err(zk_error(e)),
+            };
+            names += children.len();
+            children.retain(|name| {
+                is_record_name(name)
+                    && prefix.as_ref().is_none_or(|prefix| name.starts_with(prefix.as_str()))
+                    && (*bucket != from_bucket || *name > after)
+            });
+            children.sort_unstable();
+            let mut looked_at: Option<&str> = None;
+            for batch in children.chunks(LIST_READS_IN_FLIGHT) {
+                if reads >= LIST_READ_BUDGET {
+                    resume = Some(format!("{bucket}/{}", looked_at.unwrap_or("")));
+                    break 'buckets;
+                }
+                reads += batch.len();
+                let paths: Vec<String> =
+                    batch.iter().map(|name| format!("{bucket_path}/{name}")).collect();
+                // Sent at once, answered in order.
+                let pending: Vec<_> = paths.iter().map(|path| client.get_data(path)).collect();
+                for (name, answer) in batch.iter().zip(pending) {
+                    looked_at = Some(name);
+                    let (data, stat) = match answer.await {
+                        Ok(read) => read,
+                        Err(zk::Error::NoNode) => continue,
+                        Err(e) => return Err(zk_error(e)),
+                    };
+                    // Not a record this version reads: skipped, as keys of other
+                    // programs are in the Redis store's listing.
+                    let Some(record) = Record::parse(&data) else { continue };
+                    let stored = admin::unhex(name)?;
+                    let Some(record) = ZooKeeperStore::admin_record(stored, &record, &stat, now)
+                    else {
+                        continue;
+                    };
+                    if record.matches(filter) {
+                        found.push((bucket.clone(), name.clone(), record));
+                    }
+                }
+                if found.len() > limit {
+                    break 'buckets;
+                }
+            }
+        }
+        let next = if found.len() > limit {
+            found.truncate(limit);
+            found.last().map(|(bucket, name, _)| format!("{bucket}/{name}"))
+        } else {
+            resume
+        };
+        let records = found.into_iter().map(|(_, _, record)| record).collect();
+        Ok(admin::Page { records, next })
+    }
+
+    fn record_key(&self, key: &Key) -> Vec<u8> {
+        key.stored().into_owned()
+    }
+
+    async fn release_record(
+        &self,
+        record_key: &[u8],
+        force: bool,
+    ) -> Result<admin::Released, StoreError> {
+        let client = self.client().await?;
+        let (path, _) = self.paths_of(record_key);
+        for _ in 0..2 {
+            let (data, stat) = match client.get_data(&path).await {
+                Ok(read) => read,
+                Err(zk::Error::NoNode) => return Ok(admin::Released::NotFound),
+                Err(e) => return Err(zk_error(e)),
+            };
+            let now = self.now(&client).await?;
+            let answer = match Record::parse(&data) {
+                None if !force => {
+                    return Ok(admin::Released::Refused(
+                        "not a record this version reads (written by another program or \
+                         version): pass force to delete it"
+                            .to_owned(),
+                    ));
+                }
+                None => admin::Released::Released,
+                Some(record) => {
+                    match ZooKeeperStore::admin_record(record_key.to_vec(), &record, &stat, now) {
+                        // Expired: absent already; its znode goes all the same.
+                        None => admin::Released::NotFound,
+                        Some(shown) if !force => {
+                            if let Some(why) = admin::refusal(shown.state, shown.lease_left) {
+                                return Ok(admin::Released::Refused(why));
+                            }
+                            admin::Released::Released
+                        }
+                        Some(_) => admin::Released::Released,
+                    }
+                }
+            };
+            if self.delete_record(&client, &path, &stat).await? {
+                return Ok(answer);
+            }
+            // Changed since it was read: read it again, once.
+        }
+        Ok(admin::Released::Refused(
+            "the record changed while it was being released: try again".to_owned(),
+        ))
+    }
+
+    /// ZooKeeper deletes expired records itself (TTL znodes): nothing to do, 0.
+    async fn purge(&self) -> Result<u64, StoreError> {
+        Ok(0)
+    }
+
+    async fn stats(
+        &self,
+        filter: &admin::Filter,
+    ) -> Result<Vec<(String, admin::State, u64)>, StoreError> {
+        let mut counts = std::collections::BTreeMap::<(String, admin::State), u64>::new();
+        let mut cursor: Option<String> = None;
+        loop {
+            let page = admin::Admin::list(self, filter, cursor.as_deref(), 1000).await?;
+            for (namespace, state, n) in admin::tally(&page.records) {
+                *counts.entry((namespace, state)).or_default() += n;
+            }
+            match page.next {
+                Some(next) => cursor = Some(next),
+                None => break,
+            }
+        }
+        Ok(counts.into_iter().map(|((ns, state), n)| (ns, state, n)).collect())
+    }
+}
+
 #[async_trait]
 impl Store for ZooKeeperStore {
     async fn claim(
@@ -760,6 +1059,16 @@ mod tests {
         ] {
             assert_eq!(Record::parse(bad), None, "{}", String::from_utf8_lossy(bad));
         }
+    }
+
+    #[test]
+    fn list_cursors_name_a_bucket_and_a_record() {
+        assert_eq!(parse_list_cursor("0a/6e733a31").unwrap(), ("0a".into(), "6e733a31".into()));
+        assert_eq!(parse_list_cursor("ff/").unwrap(), ("ff".into(), String::new()));
+        for bad in ["", "0a", "0A/6e", "0a/6e7", "0a/zz", "/6e", "abc/6e", "0a/6e/6e"] {
+            assert!(parse_list_cursor(bad).is_err(), "{bad}");
+        }
+        assert!(is_bucket("7f") && !is_bucket("ttl-check-1"));
     }
 
     #[test]
