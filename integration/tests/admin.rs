@@ -1,19 +1,28 @@
 //! `Admin` on the real stores: records in every state made through the `Store` trait,
 //! then inspected, listed page by page, counted, released and purged. On the machine's
-//! Redis (in namespaces of each test's own), on a Redis Cluster of the test's own, and
-//! on the machine's PostgreSQL (in a table of each test's own).
+//! Redis (in namespaces of each test's own), on a Redis Cluster of the test's own, on
+//! the machine's PostgreSQL and MySQL or MariaDB (in a table of each test's own), and
+//! on ZooKeeper (the machine's, `ZOOKEEPER_HOSTS`, default `127.0.0.1:2181`, or else
+//! a server of the test's own; under a root of each test's own).
 
 mod support;
 
+#[path = "support/mysql.rs"]
+mod mysql;
 #[path = "support/postgres.rs"]
 mod postgres;
+#[path = "support/zookeeper.rs"]
+mod zookeeper;
 
 use std::collections::BTreeSet;
 use std::time::Duration;
 
 use idempotent::admin::{Admin, Filter, Record, Released, State};
 use idempotent::testing::{self, block_on};
-use idempotent::{Claim, Fingerprint, Key, PostgresStore, RedisStore, Store, Token, Transition};
+use idempotent::{
+    Claim, Fingerprint, Key, MysqlStore, PostgresStore, RedisStore, Store, Token, Transition,
+    ZooKeeperStore,
+};
 use support::RedisCluster;
 
 const LEASE: Duration = Duration::from_secs(30);
@@ -406,5 +415,129 @@ fn postgres_purge_removes_expired_records() {
         let left = list_all(&store, &Filter::default(), 10).await;
         assert_eq!(keys_of(&left), vec![kept.stored().into_owned()]);
         drop_table(&store).await;
+    });
+}
+
+/// The whole store's listing (which must hold no key twice) against its counts: for
+/// a store of the test's own.
+async fn check_whole_listing<A: Admin>(store: &A) {
+    for limit in [1, 4, 1000] {
+        let all = list_all(store, &Filter::default(), limit).await;
+        let keys = keys_of(&all);
+        let unique: BTreeSet<Vec<u8>> = keys.iter().cloned().collect();
+        assert_eq!(unique.len(), keys.len(), "a key listed twice with limit {limit}");
+        let stats = store.stats(&Filter::default()).await.unwrap();
+        assert_eq!(stats.iter().map(|(_, _, n)| *n).sum::<u64>(), keys.len() as u64);
+    }
+}
+
+/// Three records that expire at once and one that does not, in a fresh namespace;
+/// answers the namespace and the key that stays.
+async fn make_expiring<S: Store>(store: &S) -> (String, Key) {
+    let short = Duration::from_millis(50);
+    let namespace = testing::fresh_key("admin-purge").namespace().to_owned();
+    for i in 0..3 {
+        let key = Key::new(&namespace, i.to_string()).unwrap();
+        let token = won(store, &key, short, None).await;
+        let _ = store.complete(&key, token, short, None).await.unwrap();
+    }
+    let kept = Key::new(&namespace, "kept").unwrap();
+    won(store, &kept, LEASE, None).await;
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    (namespace, kept)
+}
+
+/// A MySQL store on a table of the test's own (dropped by [`drop_mysql_table`]).
+async fn mysql_store() -> Option<(MysqlStore, String)> {
+    let pool = mysql::pool(5).await?;
+    let table = mysql::table("idempotent_admin");
+    let store = MysqlStore::from_pool(pool).with_table(&table).unwrap();
+    store.migrate().await.expect("migration");
+    Some((store, table))
+}
+
+async fn drop_mysql_table(store: &MysqlStore, table: &str) {
+    mysql::drop_tables(store.pool(), &[table]).await;
+}
+
+#[test]
+fn mysql_inspects_lists_counts_and_releases() {
+    block_on(async {
+        let Some((store, table)) = mysql_store().await else { return };
+        scenario(&store).await;
+        // The table is the test's own: an unfiltered listing holds both namespaces.
+        check_whole_listing(&store).await;
+        drop_mysql_table(&store, &table).await;
+    });
+}
+
+#[test]
+fn mysql_purge_removes_expired_records() {
+    block_on(async {
+        let Some((store, table)) = mysql_store().await else { return };
+        let (namespace, kept) = make_expiring(&store).await;
+        let gone = Key::new(&namespace, "0").unwrap();
+        assert_eq!(store.inspect(&gone).await.unwrap(), None, "an expired record is absent");
+        assert_eq!(store.release_key(&gone, false).await.unwrap(), Released::NotFound);
+        assert_eq!(store.release_key(&gone, true).await.unwrap(), Released::NotFound);
+        assert_eq!(store.purge().await.unwrap(), 2, "the other two expired records");
+        assert_eq!(store.purge().await.unwrap(), 0);
+        let left = list_all(&store, &Filter::default(), 10).await;
+        assert_eq!(keys_of(&left), vec![kept.stored().into_owned()]);
+        let stats = store.stats(&Filter::default()).await.unwrap();
+        assert_eq!(stats, vec![(namespace, State::InProgress, 1)]);
+        drop_mysql_table(&store, &table).await;
+    });
+}
+
+/// Where the ZooKeeper tests run: the machine's server, or else one of the test's own
+/// (kept alive by the guard). `None`, with a printed reason, when neither can be had
+/// outside CI; under `CI` that fails the test.
+async fn zookeeper_store(
+    case: &str,
+) -> Option<(ZooKeeperStore, Option<zookeeper::ZooKeeperServer>)> {
+    let root = format!("/idempotent-admin-test/{}", testing::fresh_key(case).namespace());
+    let session = Duration::from_secs(6);
+    let hosts = std::env::var("ZOOKEEPER_HOSTS").unwrap_or_else(|_| "127.0.0.1:2181".into());
+    match ZooKeeperStore::connect_with(&hosts, &root, session).await {
+        Ok(store) => return Some((store, None)),
+        Err(e) => eprintln!("no ZooKeeper at {hosts} ({e}): starting one"),
+    }
+    let server = zookeeper::ZooKeeperServer::start()?;
+    let store = ZooKeeperStore::connect_with(&server.hosts(), &root, session)
+        .await
+        .expect("the test's own ZooKeeper");
+    Some((store, Some(server)))
+}
+
+#[test]
+fn zookeeper_inspects_lists_counts_and_releases() {
+    block_on(async {
+        let Some((store, _server)) = zookeeper_store("admin-zk").await else { return };
+        scenario(&store).await;
+        // The root is the test's own: an unfiltered listing holds both namespaces.
+        check_whole_listing(&store).await;
+        // What is left goes, so the root holds nothing after the test.
+        for record in list_all(&store, &Filter::default(), 100).await {
+            assert_eq!(store.release_record(&record.key, true).await.unwrap(), Released::Released);
+        }
+        assert_eq!(list_all(&store, &Filter::default(), 100).await, vec![]);
+    });
+}
+
+#[test]
+fn zookeeper_expired_records_are_absent_and_expire_by_themselves() {
+    block_on(async {
+        let Some((store, _server)) = zookeeper_store("admin-zk-purge").await else { return };
+        let (namespace, kept) = make_expiring(&store).await;
+        let gone = Key::new(&namespace, "0").unwrap();
+        assert_eq!(store.inspect(&gone).await.unwrap(), None, "an expired record is absent");
+        assert_eq!(store.release_key(&gone, false).await.unwrap(), Released::NotFound);
+        assert_eq!(store.purge().await.unwrap(), 0, "ZooKeeper deletes TTL znodes itself");
+        let left = list_all(&store, &Filter::default(), 10).await;
+        assert_eq!(keys_of(&left), vec![kept.stored().into_owned()]);
+        let stats = store.stats(&Filter::default()).await.unwrap();
+        assert_eq!(stats, vec![(namespace, State::InProgress, 1)]);
+        assert_eq!(store.release_key(&kept, true).await.unwrap(), Released::Released);
     });
 }
