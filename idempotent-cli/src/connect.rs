@@ -3,13 +3,13 @@
 use std::time::Duration;
 
 use idempotent_runtime::store::admin::Admin;
-use idempotent_runtime::{PostgresStore, RedisStore};
+use idempotent_runtime::{MysqlStore, PostgresStore, RedisStore, ZooKeeperStore, zookeeper_store};
 
 use crate::{Exit, Failure};
 
 /// The URL schemes, for error messages.
 const SCHEMES: &str = "redis://, rediss://, redis+cluster://, rediss+cluster://, postgres://, \
-    postgresql://, mysql://, mariadb://, zk://";
+    postgresql://, mysql://, mariadb://, zk://, zookeeper://";
 
 /// How long reaching the store may take before the command gives up.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
@@ -47,7 +47,21 @@ pub async fn connect(url: &str, at: Option<&str>) -> Result<Box<dyn Admin>, Fail
                     None => store,
                 })
             }
-            "mysql" | "mariadb" | "zk" | "zookeeper" => return Ok(Err(scheme)),
+            "mysql" | "mariadb" => {
+                // sqlx knows MariaDB's URLs as `mysql://`.
+                let store = MysqlStore::connect(&format!("mysql://{rest}")).await?;
+                Box::new(match &at {
+                    Some(table) => store.with_table(table)?,
+                    None => store,
+                })
+            }
+            "zk" | "zookeeper" => {
+                let Some((hosts, root)) = zookeeper_target(rest, at.as_deref()) else {
+                    return Ok(Err(scheme));
+                };
+                let timeout = zookeeper_store::DEFAULT_SESSION_TIMEOUT;
+                Box::new(ZooKeeperStore::connect_with(hosts, &root, timeout).await?)
+            }
             _ => return Ok(Err("")),
         };
         Ok::<_, idempotent_runtime::StoreError>(Ok(store))
@@ -58,8 +72,8 @@ pub async fn connect(url: &str, at: Option<&str>) -> Result<Box<dyn Admin>, Fail
             Err(usage(format!("`{scheme}://` is not a store this tool knows; one of {SCHEMES}")))
         }
         Ok(Ok(Err(scheme))) => Err(usage(format!(
-            "`{scheme}://` stores cannot be inspected by this version yet (Redis, Redis Cluster \
-             and PostgreSQL can)"
+            "`{shown}` is not a {scheme}:// URL: expected {scheme}://host:port,host:port/root \
+             (with no parameters but `at`)"
         ))),
         Ok(Err(error)) => {
             Err(Failure(Exit::Store, format!("cannot use the store at {shown}: {error}")))
@@ -81,6 +95,30 @@ fn cluster_nodes(scheme: &str, rest: &str) -> Vec<String> {
     };
     let (hosts, tail) = hosts.split_once('/').unwrap_or((hosts, ""));
     hosts.split(',').map(|host| format!("{plain}://{auth}{host}/{tail}")).collect()
+}
+
+/// The hosts and root of a `zk://host:port,host:port/root` URL's `rest` (after the
+/// scheme): the root is `at` when given (a leading `/` added if missing), else the
+/// URL's path, else [`zookeeper_store::DEFAULT_ROOT`]. `None` for a URL with no host
+/// or with query parameters, which ZooKeeper has none of.
+fn zookeeper_target<'a>(rest: &'a str, at: Option<&str>) -> Option<(&'a str, String)> {
+    if rest.contains('?') {
+        return None;
+    }
+    let (hosts, path) = match rest.split_once('/') {
+        Some((hosts, path)) => (hosts, path.trim_end_matches('/')),
+        None => (rest, ""),
+    };
+    if hosts.is_empty() {
+        return None;
+    }
+    let root = match at {
+        Some(root) if root.starts_with('/') => root.to_owned(),
+        Some(root) => format!("/{root}"),
+        None if path.is_empty() => zookeeper_store::DEFAULT_ROOT.to_owned(),
+        None => format!("/{path}"),
+    };
+    Some((hosts, root))
 }
 
 fn usage(message: String) -> Failure {
@@ -156,6 +194,26 @@ mod tests {
             ["rediss://u:p@h1:7000/0", "rediss://u:p@h2:7001/0"]
         );
         assert_eq!(cluster_nodes("redis+cluster", "h1:7000"), ["redis://h1:7000/"]);
+    }
+
+    #[test]
+    fn zookeeper_urls_give_hosts_and_root() {
+        assert_eq!(
+            zookeeper_target("a:2181,b:2181/apps/idempotent", None),
+            Some(("a:2181,b:2181", "/apps/idempotent".to_owned()))
+        );
+        assert_eq!(zookeeper_target("a:2181", None), Some(("a:2181", "/idempotent".to_owned())));
+        assert_eq!(zookeeper_target("a:2181/", None), Some(("a:2181", "/idempotent".to_owned())));
+        assert_eq!(
+            zookeeper_target("a:2181/ignored", Some("/orders")),
+            Some(("a:2181", "/orders".to_owned()))
+        );
+        assert_eq!(
+            zookeeper_target("a:2181", Some("orders")),
+            Some(("a:2181", "/orders".to_owned()))
+        );
+        assert_eq!(zookeeper_target("/idempotent", None), None);
+        assert_eq!(zookeeper_target("a:2181/x?timeout=5", None), None);
     }
 
     #[test]

@@ -26,7 +26,7 @@ struct Cli {
     #[arg(long, env = "IDEMPOTENT_STORE", global = true, hide_env_values = true)]
     store: Option<String>,
     /// Where in the store, when not the default: the Redis key prefix (idempotent), the
-    /// SQL table (idempotent_keys) or the ZooKeeper root (/idempotent); also given as
+    /// SQL table (idempotent_records) or the ZooKeeper root (/idempotent); also given as
     /// the URL's `?at=` parameter.
     #[arg(long, global = true, value_name = "PREFIX|TABLE|ROOT")]
     at: Option<String>,
@@ -46,8 +46,9 @@ enum Command {
         /// The key's id: what the key template rendered, after the namespace.
         id: String,
     },
-    /// Records, read a page at a time (SCAN on Redis, keyset pages in SQL), so a
-    /// store with millions of them is not loaded whole.
+    /// Records, read a page at a time (SCAN on Redis, keyset pages in SQL, the root's
+    /// buckets in turn on ZooKeeper), so a store with millions of them is not loaded
+    /// whole.
     List {
         /// Only this namespace.
         #[arg(long)]

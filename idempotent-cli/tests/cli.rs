@@ -1,12 +1,16 @@
 //! The `idempotent` binary against the real stores: records written the way handlers
 //! write them, then `list`, `inspect`, `release` (one key, refused, bulk with a dry
 //! run and a confirmation), `stats` and `purge`, and a released key processes again.
-//! Bad URLs and unreachable stores give their exit codes, and no password shows.
+//! On Redis, PostgreSQL, MariaDB (as `mariadb://`) and ZooKeeper. Bad URLs and
+//! unreachable stores give their exit codes, and no password shows.
 
 use std::process::{Command, Output};
 use std::time::Duration;
 
-use idempotent_runtime::{Claim, Key, PostgresStore, RedisStore, Store, Token, Transition};
+use idempotent_runtime::{
+    Claim, Key, MysqlStore, PostgresStore, RedisStore, Store, Token, Transition, ZooKeeperStore,
+    zookeeper_store,
+};
 
 const LEASE: Duration = Duration::from_secs(60);
 const TTL: Duration = Duration::from_secs(600);
@@ -189,6 +193,40 @@ async fn sqlx_drop(store: &PostgresStore, table: &str) {
 }
 
 #[test]
+fn a_session_on_mysql() {
+    let url = std::env::var("MYSQL_URL")
+        .unwrap_or_else(|_| "mysql://root@127.0.0.1:3306/test".to_owned());
+    runtime().block_on(async {
+        let store = match MysqlStore::connect(&url).await {
+            Ok(store) => store,
+            Err(error) => return unreachable("MySQL or MariaDB", error),
+        };
+        let table = fresh("cli_");
+        let store = store.with_table(&table).unwrap();
+        store.migrate().await.unwrap();
+        // The same server under MariaDB's scheme.
+        let mariadb = url.replacen("mysql://", "mariadb://", 1);
+        session(&store, &mariadb, &table).await;
+        let drop = sqlx::query(sqlx::AssertSqlSafe(format!("DROP TABLE {table}")));
+        drop.execute(store.pool()).await.unwrap();
+    });
+}
+
+#[test]
+fn a_session_on_zookeeper() {
+    let hosts = std::env::var("ZOOKEEPER_HOSTS").unwrap_or_else(|_| "127.0.0.1:2181".to_owned());
+    runtime().block_on(async {
+        let root = format!("/idempotent-cli-test/{}", fresh("run-"));
+        let timeout = zookeeper_store::DEFAULT_SESSION_TIMEOUT;
+        let store = match ZooKeeperStore::connect_with(&hosts, &root, timeout).await {
+            Ok(store) => store,
+            Err(error) => return unreachable("ZooKeeper", error),
+        };
+        session(&store, &format!("zk://{hosts}"), &root).await;
+    });
+}
+
+#[test]
 fn bad_urls_and_unreachable_stores_say_so_without_the_password() {
     let run = |url: &str| {
         Command::new(env!("CARGO_BIN_EXE_idempotent"))
@@ -222,6 +260,13 @@ fn bad_urls_and_unreachable_stores_say_so_without_the_password() {
     let pg_down = run("postgres://app:hunter2@127.0.0.1:1/db");
     assert_eq!(code(&pg_down), 3);
     assert!(!String::from_utf8_lossy(&pg_down.stderr).contains("hunter2"));
+
+    let mysql_down = run("mysql://app:hunter2@127.0.0.1:1/db");
+    assert_eq!(code(&mysql_down), 3, "{mysql_down:?}");
+    assert!(!String::from_utf8_lossy(&mysql_down.stderr).contains("hunter2"));
+
+    let zk_parameters = run("zk://127.0.0.1:2181/idempotent?timeout=5");
+    assert_eq!(code(&zk_parameters), 2, "{zk_parameters:?}");
 
     let none = Command::new(env!("CARGO_BIN_EXE_idempotent"))
         .arg("stats")
