@@ -760,14 +760,19 @@ impl admin::Admin for MysqlStore {
     async fn release_record(
         &self,
         record_key: &[u8],
+        expected: Option<admin::State>,
         force: bool,
     ) -> Result<admin::Released, StoreError> {
         let t = &self.sql.quoted;
-        let may_go = if force {
+        let mut may_go = if force {
             String::new()
         } else {
             format!(" AND (state IN ('F', 'R') OR (state = 'P' AND lease_until <= {NOW}))")
         };
+        if let Some(expected) = expected {
+            // A letter of ours, written like the listing's filter.
+            may_go.push_str(&format!(" AND state = '{}'", expected.letter() as char));
+        }
         let deleted = sqlx::query(AssertSqlSafe(format!(
             "{LOCK_WAIT}DELETE FROM {t} WHERE `key` = ? AND expires_at > {NOW}{may_go}"
         )))
@@ -801,8 +806,12 @@ FROM {t} WHERE `key` = ? AND expires_at > {NOW}"
         .map_err(sql::store_error)?;
         // Gone since the deletes (released by someone else, or expired): absent.
         let Some((state, lease_ms)) = row else { return Ok(admin::Released::NotFound) };
+        let state = admin_state(&state)?;
+        if let Some(expected) = expected.filter(|&expected| state != expected) {
+            return Ok(admin::changed(Some(state), expected));
+        }
         let lease_left = lease_ms.map(|ms| Duration::from_millis(u64::try_from(ms).unwrap_or(0)));
-        match admin::refusal(admin_state(&state)?, lease_left) {
+        match admin::refusal(state, lease_left) {
             Some(why) => Ok(admin::Released::Refused(why)),
             // Changed between the delete's check and the read (failed, released or
             // lapsed since, or taken over): nothing was deleted; the caller may ask

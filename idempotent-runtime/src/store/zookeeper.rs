@@ -887,6 +887,7 @@ impl admin::Admin for ZooKeeperStore {
     async fn release_record(
         &self,
         record_key: &[u8],
+        expected: Option<admin::State>,
         force: bool,
     ) -> Result<admin::Released, StoreError> {
         let client = self.client().await?;
@@ -899,6 +900,11 @@ impl admin::Admin for ZooKeeperStore {
             };
             let now = self.now(&client).await?;
             let answer = match Record::parse(&data) {
+                // The delete is conditional on the version read, so what is checked
+                // here is what is deleted.
+                None if expected.is_some() => {
+                    return Ok(admin::changed(None, expected.unwrap_or(admin::State::Done)));
+                }
                 None if !force => {
                     return Ok(admin::Released::Refused(
                         "not a record this version reads (written by another program or \
@@ -911,6 +917,10 @@ impl admin::Admin for ZooKeeperStore {
                     match ZooKeeperStore::admin_record(record_key.to_vec(), &record, &stat, now) {
                         // Expired: absent already; its znode goes all the same.
                         None => admin::Released::NotFound,
+                        Some(shown) if expected.is_some_and(|e| e != shown.state) => {
+                            let expected = expected.unwrap_or(shown.state);
+                            return Ok(admin::changed(Some(shown.state), expected));
+                        }
                         Some(shown) if !force => {
                             if let Some(why) = admin::refusal(shown.state, shown.lease_left) {
                                 return Ok(admin::Released::Refused(why));
