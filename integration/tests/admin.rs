@@ -519,7 +519,10 @@ fn zookeeper_inspects_lists_counts_and_releases() {
         check_whole_listing(&store).await;
         // What is left goes, so the root holds nothing after the test.
         for record in list_all(&store, &Filter::default(), 100).await {
-            assert_eq!(store.release_record(&record.key, None, true).await.unwrap(), Released::Released);
+            assert_eq!(
+                store.release_record(&record.key, None, true).await.unwrap(),
+                Released::Released
+            );
         }
         assert_eq!(list_all(&store, &Filter::default(), 100).await, vec![]);
     });
