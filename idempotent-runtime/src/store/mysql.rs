@@ -205,7 +205,7 @@ impl MysqlStore {
             .bind(batch)
             .execute(&self.pool)
             .await
-            .map_err(StoreError::unavailable)?;
+            .map_err(sql::store_error)?;
         Ok(done.rows_affected())
     }
 

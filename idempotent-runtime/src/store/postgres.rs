@@ -195,7 +195,7 @@ CREATE INDEX IF NOT EXISTS {index}_expires_at ON {t} (expires_at);"
             .bind(batch)
             .execute(&self.pool)
             .await
-            .map_err(StoreError::unavailable)?;
+            .map_err(sql::store_error)?;
         Ok(done.rows_affected())
     }
 

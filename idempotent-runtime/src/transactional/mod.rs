@@ -1,7 +1,7 @@
 //! The transactional inbox: a handler's SQL writes and its DONE record commit in one
 //! transaction (`#[idempotent(store = db, transactional)]`), on PostgreSQL
-//! ([`PostgresStore`](crate::PostgresStore), feature `postgres`) or MySQL / MariaDB
-//! ([`MysqlStore`](crate::MysqlStore), feature `mysql`).
+//! (`PostgresStore`, feature `postgres`) or MySQL / MariaDB
+//! (`MysqlStore`, feature `mysql`).
 //!
 //! The claim is taken as usual, in its own statement, so concurrent duplicates wait
 //! or go away instead of running the handler twice. The handler then gets a
@@ -113,7 +113,7 @@ where
 }
 
 /// A store whose DONE record can commit in the handler's own transaction:
-/// [`PostgresStore`](crate::PostgresStore) and [`MysqlStore`](crate::MysqlStore).
+/// `PostgresStore` and `MysqlStore` (each with its feature).
 /// Sealed: the work is done by each store's own code.
 pub trait Transactional: Store + sealed::Sealed {
     /// The database the handler's transaction runs on.
