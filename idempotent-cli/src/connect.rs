@@ -102,7 +102,9 @@ fn cluster_nodes(scheme: &str, rest: &str) -> Vec<String> {
 /// URL's path, else [`zookeeper_store::DEFAULT_ROOT`]. `None` for a URL with no host
 /// or with query parameters, which ZooKeeper has none of.
 fn zookeeper_target<'a>(rest: &'a str, at: Option<&str>) -> Option<(&'a str, String)> {
-    if rest.contains('?') {
+    // ZooKeeper URLs carry no credentials: an `@` would be read as part of a port
+    // and echoed in the client's error.
+    if rest.contains(['?', '@']) {
         return None;
     }
     let (hosts, path) = match rest.split_once('/') {
@@ -127,7 +129,12 @@ fn usage(message: String) -> Failure {
 
 /// The URL without its `at` query parameter, and that parameter's value.
 fn split_at_param(url: &str) -> (String, Option<String>) {
-    let Some((base, query)) = url.split_once('?') else { return (url.to_owned(), None) };
+    // The query starts after the credentials: a password may hold a `?`.
+    let from = url.rfind('@').unwrap_or(0);
+    let Some(mark) = url[from..].find('?').map(|i| from + i) else {
+        return (url.to_owned(), None);
+    };
+    let (base, query) = (&url[..mark], &url[mark + 1..]);
     let mut at = None;
     let rest: Vec<&str> = (query.split('&'))
         .filter(|pair| match pair.strip_prefix("at=") {
@@ -214,6 +221,8 @@ mod tests {
         );
         assert_eq!(zookeeper_target("/idempotent", None), None);
         assert_eq!(zookeeper_target("a:2181/x?timeout=5", None), None);
+        // Credentials are refused rather than read as a port and echoed.
+        assert_eq!(zookeeper_target("admin:s3cret@zkhost/idempotent", None), None);
     }
 
     #[test]
@@ -227,5 +236,11 @@ mod tests {
             ("postgres://h/db?sslmode=require".into(), Some("keys".into()))
         );
         assert_eq!(split_at_param("zk://h:2181"), ("zk://h:2181".into(), None));
+        // A `?` in a password is not the query.
+        assert_eq!(
+            split_at_param("mysql://app:hun?ter2@db/app?at=orders"),
+            ("mysql://app:hun?ter2@db/app".into(), Some("orders".into()))
+        );
+        assert_eq!(split_at_param("mysql://app:hun?ter2@db/app").1, None);
     }
 }

@@ -234,7 +234,11 @@ async fn timed<T>(
         Ok(Err(error)) => Err(Failure(Exit::Store, format!("the store failed: {error}"))),
         Err(_) => Err(Failure(
             Exit::Store,
-            format!("the store did not answer within {OPERATION_TIMEOUT:?}; nothing more was done"),
+            format!(
+                "the store did not answer within {OPERATION_TIMEOUT:?}; nothing more was sent \
+                 (an operation still waiting on the server, such as a release waiting for a \
+                 row lock, may yet apply)"
+            ),
         )),
     }
 }

@@ -244,6 +244,12 @@ async fn check_release<S: Store + Admin>(store: &S, keys: &Keys) {
         "in the expected state, the usual rules apply"
     );
 
+    // A namespace holds no `:`: a filter with one matches nothing, not the ids of
+    // another namespace that start with its tail (a key range would).
+    let colon = Filter { namespace: Some(format!("{}:done", keys.namespace)), state: None };
+    assert_eq!(list_all(store, &colon, 100).await, vec![]);
+    assert_eq!(store.stats(&colon).await.unwrap(), vec![]);
+
     // A hashed id is released from its listing, where only the hash is known.
     let filter = Filter { namespace: Some(keys.namespace.clone()), state: Some(State::Done) };
     let listed = list_all(store, &filter, 100).await;

@@ -194,6 +194,15 @@ pub struct Filter {
     pub state: Option<State>,
 }
 
+impl Filter {
+    /// Whether no record can pass: namespaces hold no `:`, so a namespace filter that
+    /// does would, as a key range, select ids of another namespace.
+    #[cfg_attr(not(any(feature = "postgres", feature = "mysql")), allow(dead_code))]
+    pub(crate) fn matches_nothing(&self) -> bool {
+        self.namespace.as_deref().is_some_and(|namespace| namespace.contains(':'))
+    }
+}
+
 /// One page of [`Admin::list`].
 #[derive(Debug, Clone, PartialEq)]
 pub struct Page {

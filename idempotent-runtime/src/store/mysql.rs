@@ -722,6 +722,9 @@ impl admin::Admin for MysqlStore {
         cursor: Option<&str>,
         limit: usize,
     ) -> Result<admin::Page, StoreError> {
+        if filter.matches_nothing() {
+            return Ok(admin::Page { records: Vec::new(), next: None });
+        }
         let t = &self.sql.quoted;
         let after = cursor.map(admin::unhex).transpose()?;
         let limit = limit.max(1);
@@ -837,6 +840,9 @@ FROM {t} WHERE `key` = ? AND expires_at > {NOW}"
         &self,
         filter: &admin::Filter,
     ) -> Result<Vec<(String, admin::State, u64)>, StoreError> {
+        if filter.matches_nothing() {
+            return Ok(Vec::new());
+        }
         let t = &self.sql.quoted;
         let (conditions, values) = admin_conditions(filter, None);
         // The namespace is the key up to its first ':' (X'3a', a binary string, so the

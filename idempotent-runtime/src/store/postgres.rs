@@ -624,6 +624,9 @@ impl admin::Admin for PostgresStore {
         cursor: Option<&str>,
         limit: usize,
     ) -> Result<admin::Page, StoreError> {
+        if filter.matches_nothing() {
+            return Ok(admin::Page { records: Vec::new(), next: None });
+        }
         let t = &self.sql.table;
         let after = cursor.map(admin::unhex).transpose()?;
         let (from, to) = namespace_range(filter.namespace.as_deref());
@@ -723,6 +726,9 @@ FROM (SELECT) AS one LEFT JOIN {t} r ON r.key = $1"
         &self,
         filter: &admin::Filter,
     ) -> Result<Vec<(String, admin::State, u64)>, StoreError> {
+        if filter.matches_nothing() {
+            return Ok(Vec::new());
+        }
         let t = &self.sql.table;
         let (from, to) = namespace_range(filter.namespace.as_deref());
         // The namespace is the key up to its first ':' (0x3a).

@@ -738,20 +738,26 @@ impl ZooKeeperStore {
         client: &zk::Client,
         path: &str,
         stat: &zk::Stat,
+        record: Option<&Record>,
     ) -> Result<bool, StoreError> {
-        let children = if stat.num_children > 0 {
-            match client.list_children(path).await {
-                Ok(children) => children,
+        // The claim's child is deleted by the name the record read gives it (its
+        // token), as a takeover does: a znode deleted and created again at the same
+        // version by a takeover has its new claimant's child, which this then does not
+        // name, and the transaction fails instead of deleting a live claim. Only a
+        // record that does not parse (deleted under force) has its children listed.
+        let children = match (stat.num_children, record) {
+            (0, _) => Vec::new(),
+            (_, Some(record)) => vec![child_path(path, record)],
+            (_, None) => match client.list_children(path).await {
+                Ok(children) => children.iter().map(|child| format!("{path}/{child}")).collect(),
                 Err(zk::Error::NoNode) => return Ok(false),
                 Err(e) => return Err(zk_error(e)),
-            }
-        } else {
-            Vec::new()
+            },
         };
         let mut writer = client.new_multi_writer();
         let staged = (|| {
             for child in &children {
-                writer.add_delete(&format!("{path}/{child}"), None)?;
+                writer.add_delete(child, None)?;
             }
             writer.add_delete(path, Some(stat.version))
         })();
@@ -773,10 +779,11 @@ impl ZooKeeperStore {
 /// looked at. Times are the leader's clock (each znode's `mtime`, and the store's
 /// estimate of the leader's clock now). `release` reads the record, then deletes its
 /// znode (with its claim's ephemeral child) in one transaction conditional on the
-/// version read, so a record that changed in between stays; such a race is read
-/// again once, then answered `Refused` ("try again"). (A znode deleted and written
-/// again in between, back at the version read, would pass for the one read: that
-/// takes a new claim and its transition within the one round trip.) `purge` answers
+/// version read and naming the claim's child by the token read, so a record that
+/// changed in between stays, a takeover that created the znode again at the same
+/// version included; such a race is read again once, then answered `Refused` ("try
+/// again"). (A record finished and then taken again by a new claim, at the version
+/// read and under the token read, cannot happen: tokens are random.) `purge` answers
 /// 0: ZooKeeper deletes expired records itself (TTL znodes, some time after they
 /// expire; until then they count as absent). `stats` walks every record.
 #[async_trait]
@@ -899,7 +906,8 @@ impl admin::Admin for ZooKeeperStore {
                 Err(e) => return Err(zk_error(e)),
             };
             let now = self.now(&client).await?;
-            let answer = match Record::parse(&data) {
+            let parsed = Record::parse(&data);
+            let answer = match &parsed {
                 // The delete is conditional on the version read, so what is checked
                 // here is what is deleted.
                 None if expected.is_some() => {
@@ -914,7 +922,7 @@ impl admin::Admin for ZooKeeperStore {
                 }
                 None => admin::Released::Released,
                 Some(record) => {
-                    match ZooKeeperStore::admin_record(record_key.to_vec(), &record, &stat, now) {
+                    match ZooKeeperStore::admin_record(record_key.to_vec(), record, &stat, now) {
                         // Expired: absent already; its znode goes all the same.
                         None => admin::Released::NotFound,
                         Some(shown) if expected.is_some_and(|e| e != shown.state) => {
@@ -931,7 +939,7 @@ impl admin::Admin for ZooKeeperStore {
                     }
                 }
             };
-            if self.delete_record(&client, &path, &stat).await? {
+            if self.delete_record(&client, &path, &stat, parsed.as_ref()).await? {
                 return Ok(answer);
             }
             // Changed since it was read: read it again, once.
