@@ -334,6 +334,28 @@ macro_rules! forward_admin {
 
 forward_admin!(&A, Arc<A>, Box<A>);
 
+/// [`Admin::stats`] for stores that count by walking every page of a listing
+/// (Redis, ZooKeeper: they have no query that groups).
+#[cfg_attr(not(any(feature = "redis", feature = "zookeeper")), allow(dead_code))]
+pub(crate) async fn stats_by_listing<A: Admin + ?Sized>(
+    store: &A,
+    filter: &Filter,
+) -> Result<Vec<(String, State, u64)>, StoreError> {
+    let mut counts = std::collections::BTreeMap::<(String, State), u64>::new();
+    let mut cursor: Option<String> = None;
+    loop {
+        let page = store.list(filter, cursor.as_deref(), 1000).await?;
+        for (namespace, state, n) in tally(&page.records) {
+            *counts.entry((namespace, state)).or_default() += n;
+        }
+        match page.next {
+            Some(next) => cursor = Some(next),
+            None => break,
+        }
+    }
+    Ok(counts.into_iter().map(|((namespace, state), n)| (namespace, state, n)).collect())
+}
+
 /// The refusal for a record that is no longer in the state it was listed in.
 pub(crate) fn changed(now: Option<State>, expected: State) -> Released {
     let now = now.map_or("unreadable", State::label);

@@ -949,19 +949,7 @@ impl admin::Admin for RedisStore {
         &self,
         filter: &admin::Filter,
     ) -> Result<Vec<(String, admin::State, u64)>, StoreError> {
-        let mut counts = std::collections::BTreeMap::<(String, admin::State), u64>::new();
-        let mut cursor: Option<String> = None;
-        loop {
-            let page = admin::Admin::list(self, filter, cursor.as_deref(), 1000).await?;
-            for (namespace, state, n) in admin::tally(&page.records) {
-                *counts.entry((namespace, state)).or_default() += n;
-            }
-            match page.next {
-                Some(next) => cursor = Some(next),
-                None => break,
-            }
-        }
-        Ok(counts.into_iter().map(|((ns, state), n)| (ns, state, n)).collect())
+        admin::stats_by_listing(self, filter).await
     }
 }
 
