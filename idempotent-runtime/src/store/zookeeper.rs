@@ -166,6 +166,12 @@ impl ZooKeeperStore {
         if let Some((mtime, at)) = *self.inner.clock.lock() {
             return Ok(mtime.saturating_add(at.elapsed().as_millis() as i64));
         }
+        self.fresh_now(client).await
+    }
+
+    /// The leader's clock now, from a write made for the purpose (to the root): for a
+    /// decision that must not rest on an old reading.
+    async fn fresh_now(&self, client: &zk::Client) -> Result<i64, StoreError> {
         let stat = client.set_data(&self.inner.root, b"", None).await.map_err(zk_error)?;
         self.observe(&stat);
         Ok(stat.mtime)
@@ -905,7 +911,10 @@ impl admin::Admin for ZooKeeperStore {
                 Err(zk::Error::NoNode) => return Ok(admin::Released::NotFound),
                 Err(e) => return Err(zk_error(e)),
             };
-            let now = self.now(&client).await?;
+            // Read fresh: a process that only reads and deletes (the command, a
+            // dashboard) would otherwise judge leases by a clock reading taken at its
+            // start, which a leader change may have put ahead of the new leader's.
+            let now = self.fresh_now(&client).await?;
             let parsed = Record::parse(&data);
             let answer = match &parsed {
                 // The delete is conditional on the version read, so what is checked
