@@ -16,9 +16,12 @@
 //!   such fault; in transactional mode an effect is committed exactly when the
 //!   record is DONE, so never twice;
 //! * every message ends acked, its record DONE or FAILED, once the faults stop
-//!   (liveness: checked on every path to a state where nothing more can happen; the
-//!   model has no cycles, and redeliveries wait for the `retry_after` a consumer
-//!   gives, as the consumer loops do).
+//!   (liveness: checked on every path to a state where nothing more can happen, or
+//!   to the clock's bound, a lease and a retry per attempt and fault past the free
+//!   ticks;
+//!   every step moves the clock, spends a fault or moves a record on, so the model
+//!   has no cycles, and redeliveries wait for the `retry_after` a consumer gives, as
+//!   the consumer loops do).
 //!
 //! Each "sometimes" property shows that a run reaches the situations the others
 //! guard (a takeover, a doubled effect under faults, a poison message failed), so
@@ -302,9 +305,13 @@ impl Model for Protocol {
                         Phase::Idle
                     }
                     Answer::InProgress => {
-                        if let Some(State::InProgress { lease_until, .. }) = w.store.state(&msg) {
-                            w.not_before[m] = lease_until;
-                        }
+                        // Redelivered after the `retry_after` the consumer gives: the
+                        // lease's end, and never at once.
+                        let lease_until = match w.store.state(&msg) {
+                            Some(State::InProgress { lease_until, .. }) => lease_until,
+                            _ => 0,
+                        };
+                        w.not_before[m] = lease_until.max(w.now + 1);
                         Phase::Idle
                     }
                     Answer::Mismatch => unreachable!("no fingerprints here"),
@@ -422,6 +429,14 @@ impl Model for Protocol {
             w.attempts_fell |= w.store.attempts(&(m as u8)) < before;
         }
         Some(w)
+    }
+
+    /// Past the free ticks, a lease and a retry for each attempt and fault are enough
+    /// for every message to end: a path that gets here has one stuck, which liveness
+    /// reports.
+    fn within_boundary(&self, w: &World) -> bool {
+        let rounds = self.max_attempts + u32::from(self.crashes + self.store_faults) + 2;
+        w.now <= self.horizon + (LEASE + 1) * rounds
     }
 
     fn properties(&self) -> Vec<Property<Self>> {
@@ -597,4 +612,15 @@ fn a_transition_without_its_token_check_is_caught() {
         let path = checker.assert_any_discovery("DONE at most once");
         eprintln!("{:?}", path.into_actions());
     }
+}
+
+#[test]
+fn a_claim_that_never_takes_over_a_lapsed_lease_is_caught() {
+    // Safe, but a consumer killed mid-handler leaves its message unfinished for ever.
+    let fences = Fences { lapsed_claims_taken_over: false, ..Fences::ALL };
+    let property = "every message ends acked, DONE or FAILED";
+    let finish = HasDiscoveries::AllOf([property].into_iter().collect());
+    let checker = explore(Protocol { fences, ..Protocol::new(2, 1) }, finish);
+    let path = checker.assert_any_discovery(property);
+    eprintln!("{:?}", path.into_actions());
 }

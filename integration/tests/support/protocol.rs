@@ -64,10 +64,17 @@ pub struct Fences {
     pub claim_checks_lease: bool,
     /// complete, release, fail and renew apply only under the record's own token.
     pub transitions_check_token: bool,
+    /// A claim takes over a record whose lease lapsed (off: a dead consumer's claim
+    /// holds its key for ever, which only liveness can notice).
+    pub lapsed_claims_taken_over: bool,
 }
 
 impl Fences {
-    pub const ALL: Fences = Fences { claim_checks_lease: true, transitions_check_token: true };
+    pub const ALL: Fences = Fences {
+        claim_checks_lease: true,
+        transitions_check_token: true,
+        lapsed_claims_taken_over: true,
+    };
 }
 
 /// The reference store: records by key.
@@ -103,7 +110,8 @@ impl<K: Ord + Clone> RefStore<K> {
             State::Done { cached: Some(result), .. } => Answer::Cached(result),
             State::Failed { .. } => Answer::Failed { attempts: record.attempts },
             State::InProgress { lease_until, .. }
-                if lease_until > now && self.fences.claim_checks_lease =>
+                if lease_until > now && self.fences.claim_checks_lease
+                    || !self.fences.lapsed_claims_taken_over =>
             {
                 Answer::InProgress
             }
