@@ -241,7 +241,7 @@
 //!
 //! Everything else (claim, lease renewal, recording, alerts) is ordinary code in
 //! `idempotent-runtime`. `cargo expand --example quickstart` shows a real expansion;
-//! the repository keeps reviewed snapshots in `integration/tests/expand/`.
+//! the repository keeps reviewed snapshots in `macro-tests/tests/expand/`.
 //!
 //! # Features and Rust versions
 //!

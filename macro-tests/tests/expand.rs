@@ -1,5 +1,5 @@
 //! Expansion snapshots: what `#[idempotent]` turns representative handlers into.
-//! Regenerate with `MACROTEST=overwrite cargo test -p idempotent-integration --test
+//! Regenerate with `MACROTEST=overwrite cargo test -p idempotent-macro-tests --test
 //! expand` and review the diff.
 //!
 //! Needs `cargo-expand` (`cargo install --locked cargo-expand`). Without it the test is

@@ -2,8 +2,9 @@
 //! user's token and says how to fix it; unusual but valid uses compile.
 //!
 //! rustc's messages list the implementations of a trait, which depend on the enabled
-//! features; this package always enables all of them, so the expected output is
-//! recorded with every feature on.
+//! features: the expected output is recorded with this package's (the SQL stores).
+//! Regenerate with `TRYBUILD=overwrite cargo test -p idempotent-macro-tests --test ui`
+//! and review the diff.
 
 #[test]
 fn ui() {
