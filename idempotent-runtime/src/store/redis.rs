@@ -243,8 +243,49 @@ impl RedisStore {
     /// Connects to a standalone Redis (`redis://host:port/db`, or `rediss://` with the
     /// `redis-tls` feature), with [`DEFAULT_RESPONSE_TIMEOUT`] and
     /// [`DEFAULT_CONNECTION_TIMEOUT`].
+    ///
+    /// With `redis-tls`, connecting installs ring as rustls' process-wide crypto
+    /// provider unless the application installed one: the `redis` crate's TLS takes
+    /// the process default, which rustls cannot pick by itself when another dependency
+    /// compiles in its aws-lc-rs provider too.
     pub async fn connect(url: impl IntoConnectionInfo) -> Result<RedisStore, StoreError> {
+        #[cfg(feature = "redis-tls")]
+        ensure_crypto_provider();
         let client = redis::Client::open(url).map_err(unavailable)?;
+        RedisStore::connect_client(client).await
+    }
+
+    /// Connects to a standalone Redis over TLS (`rediss://host:port/db`) with the
+    /// certificates given instead of the platform's: `root_cert` for a server whose
+    /// certificate a private CA signed (only that CA is trusted then), `client_tls` for
+    /// a server that asks for client certificates. The server's certificate is still
+    /// verified, against its host name or IP address. Same timeouts and rustls crypto
+    /// provider as [`connect`](RedisStore::connect).
+    ///
+    /// ```no_run
+    /// # async fn run() -> Result<(), idempotent_runtime::StoreError> {
+    /// use idempotent_runtime::redis_store::RedisStore;
+    ///
+    /// let ca = std::fs::read("/etc/redis/tls/ca.crt").expect("the CA certificate (PEM)");
+    /// let certificates = redis::TlsCertificates { client_tls: None, root_cert: Some(ca) };
+    /// let store =
+    ///     RedisStore::connect_with_tls("rediss://:password@redis.internal:6380", certificates)
+    ///         .await?;
+    /// # Ok(())
+    /// # }
+    /// ```
+    #[cfg(feature = "redis-tls")]
+    #[cfg_attr(docsrs, doc(cfg(feature = "redis-tls")))]
+    pub async fn connect_with_tls(
+        url: impl IntoConnectionInfo,
+        certificates: redis::TlsCertificates,
+    ) -> Result<RedisStore, StoreError> {
+        ensure_crypto_provider();
+        let client = redis::Client::build_with_tls(url, certificates).map_err(unavailable)?;
+        RedisStore::connect_client(client).await
+    }
+
+    async fn connect_client(client: redis::Client) -> Result<RedisStore, StoreError> {
         let config = ConnectionManagerConfig::new()
             .set_response_timeout(Some(DEFAULT_RESPONSE_TIMEOUT))
             .set_connection_timeout(Some(DEFAULT_CONNECTION_TIMEOUT));
@@ -259,6 +300,8 @@ impl RedisStore {
         I: IntoIterator,
         I::Item: IntoConnectionInfo,
     {
+        #[cfg(feature = "redis-tls")]
+        ensure_crypto_provider();
         let client = redis::cluster::ClusterClientBuilder::new(nodes)
             .response_timeout(DEFAULT_RESPONSE_TIMEOUT)
             .connection_timeout(DEFAULT_CONNECTION_TIMEOUT)
@@ -440,6 +483,19 @@ impl RedisStore {
             0 => Ok(Transition::LeaseLost),
             other => Err(StoreError::Protocol(format!("transition script returned {other}"))),
         }
+    }
+}
+
+/// Makes sure rustls has a process-wide crypto provider, which the `redis` crate's TLS
+/// connections take. rustls picks one by itself only when exactly one of its providers
+/// is compiled in; a build that also has aws-lc-rs (through another dependency) would
+/// panic at the first `rediss://` connection. Installs ring's when none is installed,
+/// and leaves one the application installed alone.
+#[cfg(feature = "redis-tls")]
+fn ensure_crypto_provider() {
+    if rustls::crypto::CryptoProvider::get_default().is_none() {
+        // Fails only when another thread installed one meanwhile, which serves as well.
+        let _ = rustls::crypto::ring::default_provider().install_default();
     }
 }
 
