@@ -124,7 +124,10 @@ impl ZooKeeperStore {
             .connect(&self.inner.hosts)
             .await
             .map_err(|e| {
-                StoreError::unavailable(format!("ZooKeeper at {}: {e}", self.inner.hosts))
+                StoreError::unavailable(format!(
+                    "ZooKeeper at {}: {e}",
+                    without_credentials(&self.inner.hosts)
+                ))
             })?;
         make_path(&client, &self.inner.root).await?;
         *held = Some(client.clone());
@@ -1033,9 +1036,40 @@ impl Store for ZooKeeperStore {
     }
 }
 
+/// `hosts` to show in a message, with anything before an `@` in a host's address left
+/// out: a connect string holds no credentials, but one written as a URL
+/// (`zk://user:password@host:port`) may, and a message must not repeat them.
+fn without_credentials(hosts: &str) -> String {
+    let shown: Vec<String> = hosts
+        .split(',')
+        .map(|entry| {
+            let (scheme, rest) = match entry.find("://") {
+                Some(i) => entry.split_at(i + 3),
+                None => ("", entry),
+            };
+            let address_end = rest.find('/').unwrap_or(rest.len());
+            match rest[..address_end].rfind('@') {
+                Some(at) => format!("{scheme}<credentials>@{}", &rest[at + 1..]),
+                None => entry.to_owned(),
+            }
+        })
+        .collect();
+    shown.join(",")
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn messages_leave_credentials_out_of_hosts() {
+        assert_eq!(without_credentials("a:2181,b:2181/app"), "a:2181,b:2181/app");
+        assert_eq!(
+            without_credentials("zk://user:pw@a:2181,b:2181/x@y"),
+            "zk://<credentials>@a:2181,b:2181/x@y"
+        );
+        assert_eq!(without_credentials("user:p@ss@a:2181"), "<credentials>@a:2181");
+    }
 
     #[test]
     fn records_read_back_as_written() {
