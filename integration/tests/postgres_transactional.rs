@@ -60,6 +60,8 @@ enum Fault {
     /// Hands the record's claim to another token, as a consumer that took over an
     /// expired lease would.
     LoseLease,
+    /// Writes a row that breaks a constraint checked at commit: the commit fails.
+    FailCommit,
 }
 
 /// One test's tables and fault script.
@@ -196,6 +198,12 @@ async fn debit(
             bank.go.notified().await;
             sqlx::query("SELECT 1").execute(&mut **tx).await?;
         }
+        Fault::FailCommit => {
+            let sql = "CREATE TEMP TABLE deferred_check (n int UNIQUE DEFERRABLE INITIALLY DEFERRED) \
+                       ON COMMIT DROP";
+            sqlx::query(sql).execute(&mut **tx).await?;
+            sqlx::query("INSERT INTO deferred_check VALUES (1), (1)").execute(&mut **tx).await?;
+        }
         Fault::LoseLease => {
             let key = idempotent::Key::new("debit", format!("debit:{}", msg.id)).unwrap();
             let sql = format!("UPDATE {} SET token = '\\x00'::bytea WHERE key = $1", bank.records);
@@ -267,6 +275,36 @@ async fn a_retryable_error_or_a_panic_rolls_back_and_releases_with(claim: Transa
     assert_eq!((bank.rows(2).await, bank.state(2).await.as_deref()), (0, Some("R")));
     assert_eq!(debit(&msg, &bank).await.unwrap(), Outcome::Processed(102));
     assert_eq!(bank.rows(2).await, 1);
+    bank.drop_tables().await;
+}
+
+#[tokio::test]
+async fn a_commit_that_always_fails_ends_abandoned_after_max_attempts() {
+    a_commit_that_always_fails_ends_abandoned_with(TransactionalClaim::Committed).await;
+}
+
+#[tokio::test]
+async fn a_commit_that_always_fails_ends_abandoned_after_max_attempts_claimed_in_the_transaction() {
+    a_commit_that_always_fails_ends_abandoned_with(TransactionalClaim::InTransaction).await;
+}
+
+/// Each failed commit counts an attempt, as a handler's error would; without that, a
+/// commit that fails every time would be retried for ever.
+async fn a_commit_that_always_fails_ends_abandoned_with(claim: TransactionalClaim) {
+    let Some(bank) = Bank::open_with(5, claim).await else { return };
+    let msg = debit_of(12);
+    bank.script(&[Fault::FailCommit; 40]);
+    for attempt in 1..=25 {
+        let err = debit(&msg, &bank).await.unwrap_err();
+        assert!(
+            matches!(err, Error::Store { handler_ran: false, .. }),
+            "attempt {attempt}: {err:?}"
+        );
+        assert_eq!(bank.rows(12).await, 0);
+    }
+    let err = debit(&msg, &bank).await.unwrap_err();
+    assert!(matches!(err, Error::Abandoned { attempts: 25 }), "{err:?}");
+    assert_eq!((bank.rows(12).await, bank.state(12).await.as_deref()), (0, Some("F")));
     bank.drop_tables().await;
 }
 

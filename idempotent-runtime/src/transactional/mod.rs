@@ -61,8 +61,9 @@ pub enum TransactionalClaim {
     ///   can't take it does not wait); on MySQL, which has no transaction-scoped
     ///   advisory locks, it waits for the transaction, up to the store's
     ///   `LOCK_TIMEOUT` (2 s), and then gets the committed answer or `InProgress`;
-    /// * attempts are counted when a handler returns an error or panics, but not when
-    ///   its consumer dies or its call is dropped mid-handler (that rolls the attempt
+    /// * attempts are counted when a handler returns an error or panics, or its
+    ///   transaction fails to commit, but not when its consumer dies or its call is
+    ///   dropped mid-handler (that rolls the attempt
     ///   back with everything else), so a message that kills its consumer every time
     ///   is redelivered for ever instead of being dead-lettered after `max_attempts`;
     /// * there is no lease: the claim lasts as long as the transaction, so a handler
@@ -323,6 +324,24 @@ pub(crate) async fn rollback<DB: Database>(tx: Transaction<'static, DB>) {
 /// After an in-transaction claim was rolled back with the handler's writes: the key
 /// claimed again, on its own and committed, to count the attempt and to be released
 /// or marked FAILED.
+/// After the transaction of a claim taken inside it failed to commit: the claim went
+/// with it, so its attempt was not counted. Claims the key again, on its own and
+/// committed, and releases it, so that a commit that fails every time (a constraint
+/// checked at commit) ends `Abandoned` after `max_attempts`, as failing attempts do,
+/// instead of being retried for ever. Changes nothing when the record moved on (the
+/// commit happened after all, or another consumer holds the key).
+pub(crate) async fn count_rolled_back_attempt<S: Store + ?Sized>(
+    store: &S,
+    claim: impl Future<Output = Result<crate::Claim, StoreError>>,
+    key: &crate::Key,
+) {
+    if let Discarded::Retaken(token) = retake(claim, key).await {
+        if let Err(error) = store.release(key, token).await {
+            tracing::warn!(key = %key.logged(), %error, "the attempt was counted but not released; its lease will run out");
+        }
+    }
+}
+
 pub(crate) async fn retake(
     claim: impl Future<Output = Result<crate::Claim, StoreError>>,
     key: &crate::Key,

@@ -7,7 +7,8 @@ use sqlx::pool::PoolConnection;
 use sqlx::{MySql, Transaction};
 
 use super::{
-    Transactional, TransactionalClaim, TxSlot, begin_within, commit_if_recorded, retake, rollback,
+    Transactional, TransactionalClaim, TxSlot, begin_within, commit_if_recorded,
+    count_rolled_back_attempt, retake, rollback,
 };
 use crate::alert::TerminalEvent;
 use crate::execute::{Call, Completed, Completion, Discarded, ResultCache, Spec, run_observed};
@@ -129,7 +130,12 @@ impl Completion<MysqlStore> for InTransaction<'_> {
         } else {
             Ok(Transition::Applied)
         };
-        commit_if_recorded(tx, recorded).await
+        let completed = commit_if_recorded(tx, recorded).await;
+        if self.inline && matches!(completed, Completed::Failed { effects_kept: false, .. }) {
+            let claim = store.claim(key, spec.lease(), spec.ttl(), None);
+            count_rolled_back_attempt(store, claim, key).await;
+        }
+        completed
     }
 
     /// With [`TransactionalClaim::InTransaction`] the rollback takes the claim with

@@ -6,7 +6,10 @@ use std::future::Future;
 use sqlx::pool::PoolConnection;
 use sqlx::{Postgres, Transaction};
 
-use super::{Transactional, TxSlot, begin_within, commit_if_recorded, retake, rollback};
+use super::{
+    Transactional, TxSlot, begin_within, commit_if_recorded, count_rolled_back_attempt, retake,
+    rollback,
+};
 use crate::alert::TerminalEvent;
 use crate::execute::{Call, Completed, Completion, Discarded, ResultCache, Spec, run_observed};
 use crate::metrics::CallMeter;
@@ -138,7 +141,13 @@ impl Completion<PostgresStore> for InTransaction<'_> {
         } else {
             Ok(Transition::Applied)
         };
-        commit_if_recorded(tx, recorded).await
+        let completed = commit_if_recorded(tx, recorded).await;
+        if self.inline && matches!(completed, Completed::Failed { effects_kept: false, .. }) {
+            let (lease, ttl) = (spec.lease(), spec.ttl());
+            let claim = store.claim_with(key, lease, ttl, None, ClaimCommit::Deferred);
+            count_rolled_back_attempt(store, claim, key).await;
+        }
+        completed
     }
 
     /// With [`TransactionalClaim::InTransaction`] the rollback takes the claim with
