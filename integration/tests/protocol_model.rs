@@ -12,16 +12,24 @@
 //! * attempt counts never decrease, and a handler starts at most `max_attempts` times;
 //! * with the store outside the effect, an effect happens more than once only after a
 //!   fault that allows it (a kill between the effect and the DONE write, a DONE write
-//!   that failed, a lease that lapsed under a running handler), one extra effect per
-//!   such fault; in transactional mode an effect is committed exactly when the
-//!   record is DONE, so never twice;
-//! * every message ends acked, its record DONE or FAILED, once the faults stop
+//!   that failed, a claim taken over from a consumer still working under it, paused
+//!   past its lease), one extra effect per such fault; in transactional mode an
+//!   effect is committed exactly when the record is DONE, so never twice;
+//! * every message ends acked, its record DONE or FAILED (or dead-lettered when its
+//!   FAILED write failed: a call counts a store error there as recorded), once the
+//!   faults stop
 //!   (liveness: checked on every path to a state where nothing more can happen, or
 //!   to the clock's bound, a lease and a retry per attempt and fault past the free
 //!   ticks;
 //!   every step moves the clock, spends a fault or moves a record on, so the model
 //!   has no cycles, and redeliveries wait for the `retry_after` a consumer gives, as
 //!   the consumer loops do).
+//!
+//! Left out: record expiry (the dedupe window outlasts every run), fingerprints and
+//! cached results (the property tests cover them), a store error on a claim or a
+//! renewal (the call then retries or stops), a claim taken inside the handler's
+//! transaction (`TransactionalClaim::InTransaction`), and a call dropped mid-way
+//! (that is a kill, as far as the record goes).
 //!
 //! Each "sometimes" property shows that a run reaches the situations the others
 //! guard (a takeover, a doubled effect under faults, a poison message failed), so
@@ -103,10 +111,12 @@ enum Action {
     Release {
         c: u8,
     },
-    /// The FAILED write; `lost` when applied and its answer lost.
+    /// The FAILED write. `fault`: its answer is lost after it applied, or it fails
+    /// without applying; either way the call ends terminal and the message is
+    /// dead-lettered (a record left in progress lapses).
     Fail {
         c: u8,
-        lost: bool,
+        fault: Option<StoreFault>,
     },
     /// The consumer dies (kill -9); the broker redelivers what it held.
     Crash {
@@ -147,6 +157,12 @@ struct World {
     attempts_fell: bool,
     /// Set when a claim took a key over from a lapsed lease.
     took_over: bool,
+    /// Set when a transition under a stale token was refused.
+    stale_refused: bool,
+    /// Set when a claim past `max_attempts` gave the message up.
+    abandoned: bool,
+    /// Dead-lettered while its FAILED write failed, by message.
+    dead_lettered_unrecorded: Vec<bool>,
 }
 
 /// The system: consumers, messages (one key each) and the fault budget.
@@ -213,9 +229,10 @@ impl Protocol {
                 }
                 Phase::Releasing { .. } => out.push(Action::Release { c }),
                 Phase::Failing { .. } => {
-                    out.push(Action::Fail { c, lost: false });
+                    out.push(Action::Fail { c, fault: None });
                     if w.store_faults_left > 0 {
-                        out.push(Action::Fail { c, lost: true });
+                        out.push(Action::Fail { c, fault: Some(StoreFault::AnswerLost) });
+                        out.push(Action::Fail { c, fault: Some(StoreFault::NotApplied) });
                     }
                 }
             }
@@ -235,9 +252,8 @@ impl Protocol {
         let own =
             matches!(w.store.state(&msg), Some(State::InProgress { token: t, .. }) if t == token);
         let applied = apply(&mut w.store);
-        if applied && !own {
-            w.stale_applied = true;
-        }
+        w.stale_applied |= applied && !own;
+        w.stale_refused |= !applied && !own;
         applied
     }
 
@@ -267,6 +283,9 @@ impl Model for Protocol {
             stale_applied: false,
             attempts_fell: false,
             took_over: false,
+            stale_refused: false,
+            abandoned: false,
+            dead_lettered_unrecorded: vec![false; m],
         }]
     }
 
@@ -282,7 +301,10 @@ impl Model for Protocol {
         let attempts_before: Vec<u32> = (0..self.messages).map(|m| w.store.attempts(&m)).collect();
         match action {
             Action::Deliver { c, msg, lost } => {
-                let lapsed = matches!(w.store.state(&msg), Some(State::InProgress { .. }));
+                let lapsed = matches!(
+                    w.store.state(&msg),
+                    Some(State::InProgress { lease_until, .. }) if lease_until <= w.now
+                );
                 let answer = w.store.claim(&msg, w.now, LEASE, None);
                 if lost {
                     w.store_faults_left -= 1;
@@ -293,7 +315,19 @@ impl Model for Protocol {
                 w.consumers[c as usize] = match answer {
                     Answer::Won { token, attempt } => {
                         w.took_over |= lapsed;
+                        if lapsed && !self.transactional {
+                            // Each consumer still working on the key under the lapsed
+                            // claim (paused past its lease) may yet apply its effect.
+                            for phase in &w.consumers {
+                                if let Phase::Running { msg: m2, .. }
+                                | Phase::Finishing { msg: m2, .. } = *phase
+                                {
+                                    w.allowances[m] += u8::from(m2 == msg);
+                                }
+                            }
+                        }
                         if attempt > self.max_attempts {
+                            w.abandoned = true;
                             Phase::Failing { msg, token }
                         } else {
                             w.starts[m] += 1;
@@ -388,17 +422,23 @@ impl Model for Protocol {
                 Self::fenced(&mut w, msg, token, |s| s.release(&msg, token));
                 w.consumers[c as usize] = Phase::Idle;
             }
-            Action::Fail { c, lost } => {
+            Action::Fail { c, fault } => {
                 let Phase::Failing { msg, token } = w.consumers[c as usize] else { unreachable!() };
                 w.consumers[c as usize] = Phase::Idle;
-                let failed =
-                    Self::fenced(&mut w, msg, token, |s| s.fail(&msg, token) == Verdict::Applied);
-                if lost {
+                if fault.is_some() {
                     w.store_faults_left -= 1;
-                } else if failed {
-                    // Dead-lettered.
-                    Self::ack(&mut w, msg);
                 }
+                let failed = fault != Some(StoreFault::NotApplied)
+                    && Self::fenced(&mut w, msg, token, |s| {
+                        s.fail(&msg, token) == Verdict::Applied
+                    });
+                if failed || fault.is_some() {
+                    // Dead-lettered: a store error counts as recorded, whatever the
+                    // store did (a record not FAILED lapses, or another claim has it).
+                    Self::ack(&mut w, msg);
+                    w.dead_lettered_unrecorded[msg as usize] |= !failed;
+                }
+                // Refused: the claim was lost, and the message goes back.
             }
             Action::Crash { c } => {
                 if let Phase::Finishing { msg, .. } = w.consumers[c as usize] {
@@ -410,20 +450,7 @@ impl Model for Protocol {
                 w.crashes_left -= 1;
                 w.consumers[c as usize] = Phase::Idle;
             }
-            Action::Tick => {
-                w.now += 1;
-                for phase in &w.consumers {
-                    // A lease lapsing under its handler, or between the effect and the
-                    // DONE write (a paused process).
-                    if let Phase::Running { msg, lease_until, .. }
-                    | Phase::Finishing { msg, lease_until, .. } = *phase
-                    {
-                        if lease_until == w.now && !self.transactional {
-                            w.allowances[msg as usize] += 1;
-                        }
-                    }
-                }
-            }
+            Action::Tick => w.now += 1,
         }
         for (m, before) in attempts_before.into_iter().enumerate() {
             w.attempts_fell |= w.store.attempts(&(m as u8)) < before;
@@ -486,11 +513,12 @@ impl Model for Protocol {
                 "every message ends acked, DONE or FAILED",
                 |model: &Protocol, w: &World| {
                     (0..model.messages).all(|msg| {
-                        w.acked[msg as usize]
-                            && matches!(
-                                w.store.state(&msg),
-                                Some(State::Done { .. } | State::Failed { .. })
-                            )
+                        let m = msg as usize;
+                        let recorded = matches!(
+                            w.store.state(&msg),
+                            Some(State::Done { .. } | State::Failed { .. })
+                        );
+                        w.acked[m] && (recorded || w.dead_lettered_unrecorded[m])
                     })
                 },
             ),
@@ -504,6 +532,13 @@ impl Model for Protocol {
             Property::sometimes("an effect happens twice", |_: &Protocol, w: &World| {
                 w.effects.iter().any(|&e| e > 1)
             }),
+            Property::sometimes("a stale transition is refused", |_: &Protocol, w: &World| {
+                w.stale_refused
+            }),
+            Property::sometimes(
+                "a claim past max_attempts is abandoned",
+                |_: &Protocol, w: &World| w.abandoned,
+            ),
         ]
     }
 }
@@ -549,6 +584,8 @@ fn two_consumers_one_key() {
     checker.assert_any_discovery("a lapsed claim is taken over");
     checker.assert_any_discovery("a message ends FAILED");
     checker.assert_any_discovery("an effect happens twice");
+    checker.assert_any_discovery("a stale transition is refused");
+    checker.assert_any_discovery("a claim past max_attempts is abandoned");
 }
 
 #[test]
@@ -585,6 +622,7 @@ fn poison_message_ends_failed_within_max_attempts() {
     let checker = check(model);
     assert_holds(&checker);
     checker.assert_any_discovery("a message ends FAILED");
+    checker.assert_any_discovery("a claim past max_attempts is abandoned");
 }
 
 #[test]

@@ -146,6 +146,22 @@ impl<S: Store + Admin> Replay<'_, S> {
         Ok(())
     }
 
+    /// Whether `left`, a store's answer for how long `k`'s live lease has left, is the
+    /// reference's: exactly, on paused time (nothing moves the clock but a lapse, which
+    /// ends every lease); on a server, no more than the lease and no less than what
+    /// is left of it since the grant was sent, with 250 ms for the answer's way back.
+    fn lease_left_agrees(&self, k: u8, left: Option<Duration>) -> bool {
+        let lease = self.clock.lease();
+        match (self.clock, left, self.granted[k as usize]) {
+            (Clock::Paused, Some(left), _) => left == lease,
+            (Clock::Real, Some(left), Some(granted)) => {
+                let least = lease.saturating_sub(granted.elapsed() + Duration::from_millis(250));
+                (least..=lease).contains(&left)
+            }
+            _ => false,
+        }
+    }
+
     async fn step(&mut self, op: &Op) -> Result<(), TestCaseError> {
         let lease = self.clock.lease();
         match *op {
@@ -153,6 +169,8 @@ impl<S: Store + Admin> Replay<'_, S> {
                 self.check_timing(k)?;
                 let key = &self.keys[k as usize];
                 let fp_real = fp.map(fingerprint);
+                // The server's lease starts after this, at the latest.
+                let sent = Instant::now();
                 let real = self.store.claim(key, lease, TTL, fp_real.as_ref()).await;
                 let real = real.map_err(|e| TestCaseError::fail(format!("claim: {e}")))?;
                 let expected = self.model.claim(&k, self.now, LEASE_TICKS, fp);
@@ -162,14 +180,14 @@ impl<S: Store + Admin> Replay<'_, S> {
                         Claim::Won { token: real_token, attempt: a },
                     ) if attempt == *a => {
                         self.held[c][k as usize] = Some((token, *real_token));
-                        self.granted[k as usize] = Some(Instant::now());
+                        self.granted[k as usize] = Some(sent);
                     }
                     (Answer::Done, Claim::Done) | (Answer::Mismatch, Claim::Mismatch) => {}
                     (Answer::Cached(b), Claim::Cached(bytes)) if bytes[..] == [b] => {}
                     (Answer::Failed { attempts }, Claim::Failed { attempts: a })
                         if attempts == *a => {}
                     (Answer::InProgress, Claim::InProgress { lease_left })
-                        if lease_left.is_none_or(|left| left <= lease) => {}
+                        if self.lease_left_agrees(k, *lease_left) => {}
                     _ => {
                         return Err(TestCaseError::fail(format!(
                             "{op:?}: the store answered {real:?}, the reference {expected:?}"
@@ -185,6 +203,7 @@ impl<S: Store + Admin> Replay<'_, S> {
                 let key = &self.keys[k as usize];
                 // A consumer that never won this key uses a token nobody was given.
                 let (token, real_token) = self.held[c][k as usize].unwrap_or((0, Token::random()));
+                let sent = Instant::now();
                 let real = match *op {
                     Op::Complete { cached, .. } => {
                         let result = cached.map(|b| [b]);
@@ -205,7 +224,7 @@ impl<S: Store + Admin> Replay<'_, S> {
                     _ => {
                         let renewed = self.model.renew(&k, token, self.now, LEASE_TICKS);
                         if renewed {
-                            self.granted[k as usize] = Some(Instant::now());
+                            self.granted[k as usize] = Some(sent);
                         }
                         applied(renewed)
                     }
@@ -252,7 +271,16 @@ impl<S: Store + Admin> Replay<'_, S> {
                     };
                     prop_assert_eq!(real.state, state, "{}", key);
                     prop_assert_eq!(real.attempts, expected.attempts, "{}", key);
-                    prop_assert_eq!(real.lease_left.is_some(), live, "{}: lease", key);
+                    if live {
+                        prop_assert!(
+                            self.lease_left_agrees(k, real.lease_left),
+                            "{}: {:?} of the lease left",
+                            key,
+                            real.lease_left
+                        );
+                    } else {
+                        prop_assert_eq!(real.lease_left, None, "{}: a lapsed lease", key);
+                    }
                     prop_assert_eq!(
                         real.fingerprint.is_some(),
                         expected.fingerprint.is_some(),
