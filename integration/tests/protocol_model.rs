@@ -441,11 +441,11 @@ impl Model for Protocol {
                 // Refused: the claim was lost, and the message goes back.
             }
             Action::Crash { c } => {
-                if let Phase::Finishing { msg, .. } = w.consumers[c as usize] {
-                    if !self.transactional {
-                        // Killed between the effect and the DONE write.
-                        w.allowances[msg as usize] += 1;
-                    }
+                if let Phase::Finishing { msg, .. } = w.consumers[c as usize]
+                    && !self.transactional
+                {
+                    // Killed between the effect and the DONE write.
+                    w.allowances[msg as usize] += 1;
                 }
                 w.crashes_left -= 1;
                 w.consumers[c as usize] = Phase::Idle;

@@ -138,10 +138,10 @@ impl<S: Store + Admin> Replay<'_, S> {
     /// the server's clock: only a stall of the test (not the store) gets here.
     fn check_timing(&self, k: u8) -> Result<(), TestCaseError> {
         let live = matches!(self.model.state(&k), Some(State::InProgress { lease_until, .. }) if lease_until > self.now);
-        if let (Clock::Real, true, Some(at)) = (self.clock, live, self.granted[k as usize]) {
-            if at.elapsed().as_secs_f64() > self.clock.lease().as_secs_f64() * LIVE_FOR {
-                return Err(TestCaseError::reject("the test stalled past a lease"));
-            }
+        if let (Clock::Real, true, Some(at)) = (self.clock, live, self.granted[k as usize])
+            && at.elapsed().as_secs_f64() > self.clock.lease().as_secs_f64() * LIVE_FOR
+        {
+            return Err(TestCaseError::reject("the test stalled past a lease"));
         }
         Ok(())
     }

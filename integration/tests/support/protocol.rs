@@ -100,10 +100,10 @@ impl<K: Ord + Clone> RefStore<K> {
             self.records.insert(key.clone(), Record { state, attempts: 1, fingerprint });
             return Answer::Won { token, attempt: 1 };
         };
-        if let (Some(held), Some(given)) = (record.fingerprint, fingerprint) {
-            if held != given {
-                return Answer::Mismatch;
-            }
+        if let (Some(held), Some(given)) = (record.fingerprint, fingerprint)
+            && held != given
+        {
+            return Answer::Mismatch;
         }
         match record.state {
             State::Done { cached: None, .. } => Answer::Done,
