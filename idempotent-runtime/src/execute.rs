@@ -131,8 +131,7 @@ impl<C> Call<C> {
         T: serde::Serialize + serde::de::DeserializeOwned,
     {
         let Call { spec, key, fingerprint, .. } = self;
-        let cache = JsonCache { encode: encode_json::<T>, decode: decode_json::<T> };
-        Call { spec, key, fingerprint, cache }
+        Call { spec, key, fingerprint, cache: JsonCache::new() }
     }
 }
 
@@ -162,6 +161,13 @@ impl<T> ResultCache<T> for NoCache {
 pub struct JsonCache<T> {
     encode: fn(&T) -> Result<Option<Vec<u8>>, String>,
     decode: fn(&[u8]) -> Result<T, String>,
+}
+
+impl<T: serde::Serialize + serde::de::DeserializeOwned> JsonCache<T> {
+    /// The cache [`Call::cached`] sets up.
+    pub(crate) fn new() -> JsonCache<T> {
+        JsonCache { encode: encode_json::<T>, decode: decode_json::<T> }
+    }
 }
 
 impl<T> ResultCache<T> for JsonCache<T> {

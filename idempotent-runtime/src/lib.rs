@@ -111,3 +111,49 @@ pub use async_trait::async_trait;
 
 /// The JSON crate payloads and cached results go through.
 pub use serde_json;
+
+/// Decoders of stored records and cached results, reachable for the fuzz targets
+/// under `fuzz/` (feature `fuzzing`). Not part of the API: it changes without notice.
+#[cfg(feature = "fuzzing")]
+#[doc(hidden)]
+pub mod __fuzz {
+    #[cfg(feature = "mysql")]
+    pub use crate::store::mysql::fuzzing as mysql;
+    #[cfg(feature = "postgres")]
+    pub use crate::store::postgres::fuzzing as postgres;
+    #[cfg(feature = "redis")]
+    pub use crate::store::redis::fuzzing as redis;
+    #[cfg(feature = "zookeeper")]
+    pub use crate::store::zookeeper::fuzzing as zookeeper;
+
+    use crate::admin::State;
+    use crate::execute::JsonCache;
+
+    /// The letter the Redis and SQL stores keep `state` as.
+    pub fn letter(state: State) -> u8 {
+        state.letter()
+    }
+
+    /// The state a stored letter stands for.
+    pub fn from_letter(letter: u8) -> Option<State> {
+        State::from_letter(letter)
+    }
+
+    /// Bytes as the listing cursors write them (lower-case hex).
+    pub fn hex(bytes: &[u8]) -> String {
+        crate::store::admin::hex(bytes)
+    }
+
+    /// [`hex`] read back.
+    pub fn unhex(text: &str) -> Result<Vec<u8>, crate::StoreError> {
+        crate::store::admin::unhex(text)
+    }
+
+    /// The cache `cache = true` keeps a handler's `T` results in.
+    pub fn json_cache<T>() -> JsonCache<T>
+    where
+        T: serde::Serialize + serde::de::DeserializeOwned,
+    {
+        JsonCache::new()
+    }
+}

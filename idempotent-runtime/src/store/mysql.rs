@@ -953,3 +953,22 @@ mod tests {
         assert_eq!(Sql::new("billing.order").quoted, "`billing`.`order`");
     }
 }
+
+/// The row decoders, for the fuzz targets (feature `fuzzing`). Not part of the API.
+#[cfg(feature = "fuzzing")]
+#[doc(hidden)]
+pub mod fuzzing {
+    use super::{AdminRow, admin, admin_record, admin_state};
+    use crate::StoreError;
+
+    /// The state a `state` column holds.
+    pub fn state(letter: &[u8]) -> Result<admin::State, StoreError> {
+        admin_state(letter)
+    }
+
+    /// An admin row: key, state letter, attempts, lease ms, ttl ms, fingerprint,
+    /// result length.
+    pub fn record(row: AdminRow) -> Result<admin::Record, StoreError> {
+        admin_record(row)
+    }
+}

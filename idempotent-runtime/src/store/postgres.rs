@@ -809,3 +809,28 @@ impl Store for PostgresStore {
         crate::store::release_in_background(self, key, token);
     }
 }
+
+/// The row decoders, for the fuzz targets (feature `fuzzing`). Not part of the API.
+#[cfg(feature = "fuzzing")]
+#[doc(hidden)]
+pub mod fuzzing {
+    use super::{AdminRow, admin, admin_record, claim_answer};
+    use crate::{Claim, StoreError, Token};
+
+    /// The claim a claim statement's row answers.
+    pub fn claim(
+        outcome: &str,
+        attempts: i32,
+        result: Option<Vec<u8>>,
+        lease_left: Option<i64>,
+        token: Token,
+    ) -> Result<Claim, StoreError> {
+        claim_answer(outcome, attempts, result, lease_left, token)
+    }
+
+    /// An admin row: key, state letter, attempts, lease ms, ttl ms, fingerprint,
+    /// result length.
+    pub fn record(row: AdminRow) -> Result<admin::Record, StoreError> {
+        admin_record(row)
+    }
+}

@@ -1147,3 +1147,66 @@ mod tests {
         assert!(!refuses_set_nx_get(&io));
     }
 }
+
+/// The record format's decoders and encoders, for the fuzz targets (feature
+/// `fuzzing`). Not part of the API.
+#[cfg(feature = "fuzzing")]
+#[doc(hidden)]
+pub mod fuzzing {
+    use super::{Claiming, ListCursor, admin, read_record};
+    use crate::{Claim, StoreError, Token};
+
+    /// A claim's arguments: `token`, `lease` and `retention` in ms, `fingerprint` as
+    /// 64 hex digits or `-`.
+    pub struct Claimer(Claiming);
+
+    impl Claimer {
+        /// A claim with these arguments.
+        pub fn new(token: u128, lease: u64, retention: u64, fingerprint: &str) -> Claimer {
+            let token = Token::from_u128(token);
+            Claimer(Claiming {
+                token,
+                token_text: token.to_string(),
+                lease,
+                retention,
+                fingerprint: fingerprint.to_owned(),
+            })
+        }
+
+        /// The token.
+        pub fn token(&self) -> Token {
+            self.0.token
+        }
+
+        /// The record this claim writes on a fresh key.
+        pub fn fresh_record(&self) -> Vec<u8> {
+            self.0.fresh_record()
+        }
+
+        /// The answer a record found by the claim's `SET NX GET` settles, if any.
+        pub fn settle(&self, record: &[u8]) -> Option<Claim> {
+            self.0.settle(record)
+        }
+    }
+
+    /// A record as the admin reads it: `head` its first bytes, `len` its length.
+    pub fn read(
+        stored: &[u8],
+        head: &[u8],
+        len: usize,
+        pttl: i64,
+        now: i64,
+    ) -> Option<admin::Record> {
+        read_record(stored, head, len, pttl, now)
+    }
+
+    /// A listing cursor read from its text, and written again.
+    pub fn list_cursor(text: &str) -> Result<String, StoreError> {
+        ListCursor::decode(text).map(|cursor| cursor.encode())
+    }
+
+    /// A listing cursor's text.
+    pub fn encode_list_cursor(node: Option<u16>, scan: u64, pending: Vec<Vec<u8>>) -> String {
+        ListCursor { node, scan, pending: pending.into() }.encode()
+    }
+}

@@ -1127,3 +1127,63 @@ mod tests {
         assert_eq!(node_ttl(0x0123_4567_89ab_cdef), 0, "an ephemeral node's session");
     }
 }
+
+/// The znode data format's decoder and encoder, for the fuzz targets (feature
+/// `fuzzing`). Not part of the API.
+#[cfg(feature = "fuzzing")]
+#[doc(hidden)]
+pub mod fuzzing {
+    use super::{Record, parse_list_cursor};
+    use crate::{StoreError, Token};
+
+    /// A record's fields, as a znode holds them.
+    #[derive(Debug, Clone, PartialEq, Eq)]
+    pub struct Fields {
+        /// `P`, `R`, `D` or `F`.
+        pub state: u8,
+        /// The claim's token, if any.
+        pub token: Option<u128>,
+        /// The lease, in ms from the znode's `mtime`.
+        pub lease: i64,
+        /// How long the record is kept, in ms from the znode's `mtime`.
+        pub keep: i64,
+        /// The number of claims.
+        pub attempts: u32,
+        /// The fingerprint's hex digits.
+        pub fingerprint: Option<String>,
+        /// The cached result.
+        pub result: Vec<u8>,
+    }
+
+    /// A znode's data read as a record.
+    pub fn parse(data: &[u8]) -> Option<Fields> {
+        Record::parse(data).map(|r| Fields {
+            state: r.state,
+            token: r.token.map(Token::as_u128),
+            lease: r.lease,
+            keep: r.keep,
+            attempts: r.attempts,
+            fingerprint: r.fingerprint,
+            result: r.result,
+        })
+    }
+
+    /// A record written as znode data.
+    pub fn encode(fields: Fields) -> Vec<u8> {
+        Record {
+            state: fields.state,
+            token: fields.token.map(Token::from_u128),
+            lease: fields.lease,
+            keep: fields.keep,
+            attempts: fields.attempts,
+            fingerprint: fields.fingerprint,
+            result: fields.result,
+        }
+        .encode()
+    }
+
+    /// A listing cursor read as a bucket and a record name.
+    pub fn list_cursor(text: &str) -> Result<(String, String), StoreError> {
+        parse_list_cursor(text)
+    }
+}
