@@ -159,6 +159,11 @@ impl<'a> Document<'a> {
                 render_value(value.pointer(pointer), out).map_err(PointerError::Unusable)
             }
             Source::Text(text) => {
+                // Not a pointer (RFC 6901: empty, or `/` first): nothing, as
+                // `Value::pointer` answers, rather than the whole document.
+                if !pointer.is_empty() && !pointer.starts_with('/') {
+                    return Err(PointerError::Unusable(Unusable::Missing));
+                }
                 let tokens: Vec<Cow<'_, str>> = pointer.split('/').skip(1).map(unescape).collect();
                 let mut de = serde_json::Deserializer::from_str(text);
                 let found = At(&tokens).deserialize(&mut de).and_then(|found| {
@@ -587,6 +592,16 @@ mod tests {
             Document::of(&b"{\"id\": \"\xff\"}"[..]).render("/id", &mut out),
             Err(PointerError::NotJson(_))
         ));
+    }
+
+    /// RFC 6901: a pointer is empty or starts with `/`. Any other points at nothing,
+    /// in a byte payload as in a `Value`, rather than at the whole document.
+    #[test]
+    fn a_pointer_without_its_leading_slash_points_at_nothing() {
+        assert_eq!(text_part("6", "\u{8}7"), Err(Unusable::Missing.to_string()));
+        assert_eq!(part(&json!({"id": 1}), "id"), Err(Unusable::Missing));
+        assert_eq!(part(&json!("x"), "x"), Err(Unusable::Missing));
+        assert_eq!(part(&json!("x"), ""), Ok("x".into()), "the empty pointer is the whole");
     }
 
     proptest::proptest! {
