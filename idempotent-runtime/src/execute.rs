@@ -967,3 +967,36 @@ fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
         "non-string panic payload".to_owned()
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A cached float replays as the handler returned it, to the last bit: serde_json
+    /// reads it back with correct rounding (`float_roundtrip`), not its faster
+    /// approximation, which is off by one unit in the last place for some values.
+    #[test]
+    fn cached_floats_replay_exactly() {
+        let cache = JsonCache::<f64>::new();
+        for value in [8.854502369371306e-159, 0.1, 1e-300, 5e-324, f64::MAX, -2.5e22] {
+            let bytes = cache.encode(&value).unwrap().unwrap();
+            let back = cache.decode(&bytes).unwrap().unwrap();
+            assert_eq!(back.to_bits(), value.to_bits(), "{value:e} cached as {bytes:?}");
+        }
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig::with_cases(20_000))]
+
+        #[test]
+        fn every_finite_float_replays_exactly(bits in proptest::prelude::any::<u64>()) {
+            let value = f64::from_bits(bits);
+            proptest::prop_assume!(value.is_finite());
+            let cache = JsonCache::<f64>::new();
+            let bytes = cache.encode(&value).unwrap().unwrap();
+            let back = cache.decode(&bytes).unwrap().unwrap();
+            // `-0.0` is written `-0.0` and read back as it.
+            proptest::prop_assert_eq!(back.to_bits(), value.to_bits());
+        }
+    }
+}

@@ -594,6 +594,19 @@ mod tests {
         ));
     }
 
+    /// A float in a `Value` payload keys like its text: serde_json read it with
+    /// correct rounding (`float_roundtrip`), so the `f64` it holds is the one the text
+    /// writes, whose shortest text is the same number.
+    #[test]
+    fn floats_in_values_key_like_their_text() {
+        for text in [r#"{"id": 8.854502369371306e-159}"#, r#"{"id": 0.1}"#] {
+            let value: Value = serde_json::from_str(text).unwrap();
+            let mut from_value = String::new();
+            assert!(Document::of(&value).render("/id", &mut from_value).is_ok());
+            assert_eq!(Ok(from_value), text_part(text, "/id"), "{text}");
+        }
+    }
+
     /// RFC 6901: a pointer is empty or starts with `/`. Any other points at nothing,
     /// in a byte payload as in a `Value`, rather than at the whole document.
     #[test]
