@@ -180,12 +180,17 @@ impl<T> ResultCache<T> for JsonCache<T> {
 }
 
 /// The value as JSON, if it fits and reads back: serde_json writes a non-finite float
-/// as `null`, and a `Serialize` may not mirror its `Deserialize`. A value that would
-/// not read back is not stored, so its duplicates are plain ones rather than failed
-/// replays.
+/// as `null` (which an `Option<f64>` would read back as `None`), and a `Serialize` may
+/// not mirror its `Deserialize`. A value that would not read back as itself is not
+/// stored, so its duplicates are plain ones rather than failed or wrong replays.
 fn encode_json<T: serde::Serialize + serde::de::DeserializeOwned>(
     value: &T,
 ) -> Result<Option<Vec<u8>>, String> {
+    if crate::finite::has_non_finite(value) {
+        return Err("result not cached: it holds a NaN or infinite float, which JSON \
+                    writes as null, so it would not read back as itself"
+            .to_owned());
+    }
     let bytes = serde_json::to_vec(value).map_err(|e| format!("result not cached: {e}"))?;
     if bytes.len() > MAX_CACHED_RESULT {
         return Err(format!(
@@ -983,6 +988,21 @@ mod tests {
             let back = cache.decode(&bytes).unwrap().unwrap();
             assert_eq!(back.to_bits(), value.to_bits(), "{value:e} cached as {bytes:?}");
         }
+    }
+
+    /// serde_json writes a NaN or an infinite float as `null`, which an `Option<f64>`
+    /// reads back as `None`: such a result is not cached, rather than replayed as
+    /// another value.
+    #[test]
+    fn results_holding_non_finite_floats_are_not_cached() {
+        let cache = JsonCache::<Option<f64>>::new();
+        assert!(cache.encode(&Some(f64::NAN)).is_err());
+        assert!(cache.encode(&Some(f64::INFINITY)).is_err());
+        assert_eq!(cache.encode(&Some(1.5)), Ok(Some(b"1.5".to_vec())));
+        assert_eq!(cache.encode(&None), Ok(Some(b"null".to_vec())));
+        let cache = JsonCache::<Vec<(String, Option<f32>)>>::new();
+        assert!(cache.encode(&vec![("a".into(), Some(f32::NEG_INFINITY))]).is_err());
+        assert!(cache.encode(&vec![("a".into(), Some(-0.0))]).is_ok());
     }
 
     proptest::proptest! {

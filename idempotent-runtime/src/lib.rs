@@ -40,6 +40,7 @@ mod current;
 pub mod delivery;
 mod error;
 pub mod execute;
+mod finite;
 #[cfg(any(feature = "postgres", feature = "mysql"))]
 #[cfg_attr(docsrs, doc(cfg(any(feature = "postgres", feature = "mysql"))))]
 pub mod guard;
