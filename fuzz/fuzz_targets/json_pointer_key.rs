@@ -61,32 +61,46 @@ fn number_key(text: &str) -> Result<Key, KeyError> {
     key("/0", &Document::of(document.as_str()))
 }
 
-/// Spellings of the JSON number `text` with the same value.
-fn spellings(text: &str) -> Vec<String> {
-    let (sign, unsigned) = match text.strip_prefix('-') {
+/// Other spellings of the value whose canonical text is `canonical`.
+fn spellings(canonical: &str) -> Vec<String> {
+    if canonical == "0" {
+        return ["0.0", "-0", "0e5", "0E-7", "-0.000e+3"].map(str::to_owned).to_vec();
+    }
+    let (sign, unsigned) = match canonical.strip_prefix('-') {
         Some(rest) => ("-", rest),
-        None => ("", text),
+        None => ("", canonical),
     };
-    let (mantissa, exponent) = match unsigned.find(['e', 'E']) {
-        Some(at) => (&unsigned[..at], unsigned[at + 1..].parse::<i128>().ok()),
-        None => (unsigned, Some(0)),
+    // The value is `digits × 10^scale`.
+    let (digits, scale): (String, i128) = match unsigned.split_once('e') {
+        Some((digits, scale)) => (digits.to_owned(), scale.parse().unwrap()),
+        None => match unsigned.split_once('.') {
+            Some((int, frac)) => {
+                let digits = format!("{int}{frac}");
+                (digits.trim_start_matches('0').to_owned(), -(frac.len() as i128))
+            }
+            None => {
+                let digits = unsigned.trim_end_matches('0');
+                (digits.to_owned(), (unsigned.len() - digits.len()) as i128)
+            }
+        },
     };
-    let mut out = vec![format!("{text}e0"), format!("{text}E+0"), format!("{text}e-0")];
-    if !unsigned.contains(['e', 'E']) && !mantissa.contains('.') {
-        out.push(format!("{text}.0"));
-        out.push(format!("{text}0e-1"));
-        out.push(format!("{text}00E-2"));
-    }
-    // The point moved, the exponent compensating.
-    if let (Some(exponent), Some((int, frac))) = (exponent, mantissa.split_once('.')) {
-        let digits = format!("{int}{frac}");
-        let digits = digits.trim_start_matches('0');
-        let digits = if digits.is_empty() { "0" } else { digits };
-        let shifted = exponent - frac.len() as i128;
-        out.push(format!("{sign}{digits}e{shifted}"));
-        out.push(format!("{sign}0.{digits}e{}", shifted + digits.len() as i128));
-    }
-    out
+    let len = digits.len() as i128;
+    let exponent = |k: i128| if k >= 0 { format!("E+{k}") } else { format!("E{k}") };
+    // An exponent is read as a 64-bit integer (documented): spellings whose exponent
+    // does not fit are left out.
+    let fits = |k: i128| i64::try_from(k).is_ok();
+    [
+        (scale, format!("{sign}{digits}e{scale}")),
+        (scale, format!("{sign}{digits}{}", exponent(scale))),
+        (scale - 1, format!("{sign}{digits}0e{}", scale - 1)),
+        (scale, format!("{sign}{digits}.000e{scale}")),
+        (scale + len, format!("{sign}0.{digits}e{}", scale + len)),
+        (scale + len + 2, format!("{sign}0.00{digits}E{}", scale + len + 2)),
+    ]
+    .into_iter()
+    .filter(|(k, _)| fits(*k))
+    .map(|(_, text)| text)
+    .collect()
 }
 
 fuzz_target!(|data: &[u8]| {
