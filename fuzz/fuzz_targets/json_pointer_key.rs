@@ -12,32 +12,28 @@
 
 #![no_main]
 
-use std::cell::RefCell;
 use std::collections::HashMap;
+use std::sync::{LazyLock, Mutex};
 
 use idempotent_runtime::serde_json::{self, Value};
 use idempotent_runtime::{Document, Key, KeyBuilder, KeyError};
 use libfuzzer_sys::fuzz_target;
 
-thread_local! {
-    /// Pointers must be `'static` (the macro passes literals): each distinct one is
-    /// leaked once, up to a bound.
-    static POINTERS: RefCell<HashMap<String, &'static str>> = RefCell::new(HashMap::new());
-}
+/// Pointers must be `'static` (the macro passes literals): each distinct one is
+/// leaked once, and kept reachable here, up to a bound.
+static POINTERS: LazyLock<Mutex<HashMap<String, &'static str>>> = LazyLock::new(Mutex::default);
 
-fn intern(pointer: &str) -> &'static str {
-    POINTERS.with(|map| {
-        let mut map = map.borrow_mut();
-        if let Some(p) = map.get(pointer) {
-            return *p;
-        }
-        if map.len() > 100_000 {
-            map.clear();
-        }
-        let leaked: &'static str = Box::leak(pointer.to_owned().into_boxed_str());
-        map.insert(pointer.to_owned(), leaked);
-        leaked
-    })
+fn intern(pointer: &str) -> Option<&'static str> {
+    let mut map = POINTERS.lock().unwrap();
+    if let Some(p) = map.get(pointer) {
+        return Some(*p);
+    }
+    if map.len() >= 200_000 {
+        return None;
+    }
+    let leaked: &'static str = Box::leak(pointer.to_owned().into_boxed_str());
+    map.insert(pointer.to_owned(), leaked);
+    Some(leaked)
 }
 
 fn key(pointer: &'static str, document: &Document<'_>) -> Result<Key, KeyError> {
@@ -109,7 +105,7 @@ fuzz_target!(|data: &[u8]| {
         None => (&b"/id"[..], data),
     };
     let Ok(pointer) = std::str::from_utf8(pointer) else { return };
-    let pointer = intern(pointer);
+    let Some(pointer) = intern(pointer) else { return };
 
     let document = Document::of(body);
     let first = key(pointer, &document);
