@@ -102,7 +102,7 @@
 //! | `classify = path` | `fn(&E) -> ErrorClass`, used instead of `E: Classify`. |
 //! | `crate = path` | Where this crate is, for crates that re-export it. |
 //! | `validate = true` | Store a SHA-256 [`Fingerprint`] of the message's [`Payload`] with the claim; the same key with another payload is [`Error::PayloadMismatch`] and runs nothing. |
-//! | `cache = true` | Store the `Ok` value (serde JSON, at most 64 KiB) and return it to duplicates as [`Outcome::Replayed`]; a value that can't be stored (too large, not serializable, or JSON that would not read back, like a NaN) is recorded DONE and returned as [`Outcome::ProcessedNotCached`], and its duplicates are plain [`Outcome::Duplicate`]s; a stored value that no longer reads back as `T` is [`Error::Cache`] (ack). `cache` alone means `cache = true`. |
+//! | `cache = true` | Store the `Ok` value (serde JSON, at most 64 KiB) and return it to duplicates as [`Outcome::Replayed`]; a value that can't be stored (too large, not serializable, or JSON that would not read back as itself, like a NaN anywhere in it) is recorded DONE and returned as [`Outcome::ProcessedNotCached`], and its duplicates are plain [`Outcome::Duplicate`]s; a stored value that no longer reads back as `T` is [`Error::Cache`] (ack). `cache` alone means `cache = true`. |
 //!
 //! Mistakes are compile errors pointing at the argument: unknown or repeated
 //! arguments, `ttl = 0`, `lease` > `ttl`, a template without placeholders, a field the
