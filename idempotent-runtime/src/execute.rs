@@ -888,7 +888,10 @@ where
     // lease. A renewal that fails or times out is tried again at once (after a
     // thirtieth of the lease), and no wait for an answer outlasts the lease the last
     // applied renewal granted: one slow renewal must not push the next one past the
-    // lease's end.
+    // lease's end. Once that lease has run out there is none left to protect, and a
+    // renewal gets a third of the lease to answer: cut to a thirtieth, every answer
+    // of a store slower than that (under load) would time out, and a body whose key
+    // another consumer took would never hear so and never be stopped.
     let lease = claim.spec.lease;
     let period = renewal_period(lease);
     let pause = (lease / 30).max(std::time::Duration::from_millis(1));
@@ -904,7 +907,8 @@ where
         loop {
             timer.as_mut().await;
             let sent = tokio::time::Instant::now();
-            let budget = held_until.saturating_duration_since(sent).min(period).max(pause);
+            let left = held_until.saturating_duration_since(sent);
+            let budget = if left.is_zero() { period } else { left.min(period).max(pause) };
             let renewal =
                 claim.store.renew(claim.key, claim.token, claim.spec.lease, claim.spec.ttl);
             match tokio::time::timeout(budget, renewal).await {
