@@ -186,6 +186,7 @@
 //! | a bounded `MemoryStore` is full of unexpired records (new key) | unchanged, handler not run | `Err(Store { error: StoreError::Full, .. })` | redeliver |
 //! | called outside a Tokio runtime, or on one without its timer | unchanged, handler not run | `Err(Runtime)` | redeliver (on a correctly built runtime) |
 //! | store refuses the record for good (`StoreError::Rejected`: a foreign or unreadable record, a value the database can't hold) | unchanged | `Err(Store { .. })` | dead-letter |
+//! | the record was written by a newer version of the library (`StoreError::NewerFormat`) | unchanged, handler not run | `Err(Store { .. })` | redeliver (until a newer consumer takes it) |
 //!
 //! Every transition after the claim carries the claim's random [`Token`]; a consumer
 //! whose lease ran out can never complete, release or fail the claim of the consumer

@@ -391,6 +391,15 @@ pub enum StoreError {
     /// instead of being retried for ever.
     #[error("store refused the record: {0}")]
     Rejected(#[source] Box<dyn std::error::Error + Send + Sync>),
+    /// The record under the key was written by a newer version of this library, in a
+    /// format this version does not read (a rolling upgrade, or a rollback after one).
+    /// It is left as it is, and the message is retried with the handler's backoff
+    /// until a consumer of the newer version takes it or the record expires. See
+    /// [`store::format`](crate::store::format).
+    #[error(
+        "the record was written by a newer version of idempotent ({0}); it is left as it is and the message is retried: finish the upgrade, or wait for the record to expire"
+    )]
+    NewerFormat(String),
     /// A bounded store holds as many records as it may, none of them expired: the
     /// claim of a new key is refused rather than evict a record still in use. Retry
     /// later, when records have expired.

@@ -1,6 +1,7 @@
 //! Where idempotency records live: the [`Store`] trait and its implementations.
 //!
 //! * [`admin`]: [`Admin`](admin::Admin), to inspect, list, release and count records.
+//! * [`format`]: how records of another version of this library are treated.
 //! * [`memory`]: [`MemoryStore`](memory::MemoryStore), in process.
 //! * [`none`]: [`NoStore`](none::NoStore), no records, for handlers guarded by
 //!   business state.
@@ -20,6 +21,7 @@ use async_trait::async_trait;
 use crate::{Fingerprint, Key, StoreError};
 
 pub mod admin;
+pub mod format;
 pub mod memory;
 #[cfg(feature = "mysql")]
 #[cfg_attr(docsrs, doc(cfg(feature = "mysql")))]

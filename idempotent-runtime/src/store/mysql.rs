@@ -8,8 +8,8 @@ use async_trait::async_trait;
 use sqlx::mysql::{MySqlConnection, MySqlExecutor, MySqlPool, MySqlPoolOptions};
 use sqlx::{AssertSqlSafe, SqlSafeStr, SqlStr};
 
-use super::admin;
 use super::sql::{self, PurgeSchedule, millis};
+use super::{admin, format};
 use crate::{Claim, Fingerprint, Key, Store, StoreError, Token, Transition};
 
 pub use super::sql::{DEFAULT_TABLE, PURGE_BATCH, PURGE_EVERY_CLAIMS, RENEWAL_CONNECTIONS};
@@ -311,6 +311,7 @@ impl MysqlStore {
                     lease_left: Some(Duration::from_millis(verdict & 0xffff_ffff)),
                 }),
                 MISMATCH => Ok(Claim::Mismatch),
+                NEWER => Err(StoreError::NewerFormat(format::newer_state(&[verdict as u8]))),
                 other => Err(StoreError::Protocol(format!("claim answered {other}"))),
             };
         }
@@ -408,6 +409,8 @@ const DONE: u64 = 2;
 const FAILED: u64 = 3;
 const IN_PROGRESS: u64 = 4;
 const MISMATCH: u64 = 5;
+/// A state letter of a later version (`format`), the letter in the low bits.
+const NEWER: u64 = 6;
 const CACHED: u64 = 1 << 32;
 
 /// Whether the statement was chosen as a deadlock victim (and rolled back).
@@ -607,6 +610,7 @@ ON DUPLICATE KEY UPDATE
             WHEN state = 'D'
                 THEN ({DONE} << {VERDICT_SHIFT}) | IF(result IS NULL, 0, {CACHED}) | attempts
             WHEN state = 'F' THEN ({FAILED} << {VERDICT_SHIFT}) | attempts
+            WHEN state <> 'P' THEN ({NEWER} << {VERDICT_SHIFT}) | ORD(state)
             ELSE ({IN_PROGRESS} << {VERDICT_SHIFT})
                  | IF(TIMESTAMPDIFF(MICROSECOND, {NOW}, lease_until) DIV 1000 > 4294967295,
                       {CACHED} | LEAST(TIMESTAMPDIFF(SECOND, {NOW}, lease_until), 4294967295),
@@ -648,9 +652,7 @@ fn admin_state(letter: &[u8]) -> Result<admin::State, StoreError> {
         [one] => admin::State::from_letter(*one),
         _ => None,
     }
-    .ok_or_else(|| {
-        StoreError::Protocol(format!("record state {:?} in the table", letter.escape_ascii()))
-    })
+    .ok_or_else(|| StoreError::NewerFormat(format::newer_state(letter)))
 }
 
 fn admin_record(row: AdminRow) -> Result<admin::Record, StoreError> {

@@ -7,8 +7,8 @@ use async_trait::async_trait;
 use sqlx::postgres::{PgConnection, PgExecutor, PgPool, PgPoolOptions};
 use sqlx::{AssertSqlSafe, SqlSafeStr, SqlStr};
 
-use super::admin;
 use super::sql::{self, PurgeSchedule, millis};
+use super::{admin, format};
 use crate::{Claim, Fingerprint, Key, Store, StoreError, Token, Transition};
 
 pub use super::sql::{DEFAULT_TABLE, PURGE_BATCH, PURGE_EVERY_CLAIMS, RENEWAL_CONNECTIONS};
@@ -387,6 +387,10 @@ fn claim_answer(
             lease_left: lease_left.map(|ms| Duration::from_millis(u64::try_from(ms).unwrap_or(0))),
         }),
         "M" => Ok(Claim::Mismatch),
+        // A state letter of a later version (`format`).
+        other if other.starts_with('U') => {
+            Err(StoreError::NewerFormat(format::newer_state(&other.as_bytes()[1..])))
+        }
         other => Err(StoreError::Protocol(format!("claim returned {other:?}"))),
     }
 }
@@ -503,7 +507,8 @@ SELECT CASE WHEN r.fingerprint IS NOT NULL AND $5::bytea IS NOT NULL
                  AND r.fingerprint <> $5::bytea THEN 'M'
             WHEN r.state = 'D' THEN 'D'
             WHEN r.state = 'F' THEN 'F'
-            ELSE 'P' END,
+            WHEN r.state IN ('P', 'R') THEN 'P'
+            ELSE 'U' || r.state::text END,
        r.attempts, r.result,
        GREATEST(0, ceil(extract(epoch FROM r.lease_until - clock_timestamp()) * 1000))::bigint
 FROM {t} r
@@ -544,7 +549,8 @@ SELECT CASE WHEN NOT pg_try_advisory_xact_lock($2) THEN 'P'
                  AND r.fingerprint <> $4::bytea THEN 'M'
             WHEN r.state = 'D' THEN 'D'
             WHEN r.state = 'F' THEN 'F'
-            ELSE 'P' END,
+            WHEN r.state IN ('P', 'R') THEN 'P'
+            ELSE 'U' || r.state::text END,
        coalesce(r.attempts, 0), r.result
 FROM (SELECT) AS one LEFT JOIN {t} r ON r.key = $1 AND r.expires_at > clock_timestamp()
 WHERE NOT EXISTS (SELECT 1 FROM claimed)"
@@ -572,10 +578,15 @@ const ADMIN_COLUMNS: &str = "key, state, attempts,
 
 type AdminRow = (Vec<u8>, i8, i32, Option<i64>, i64, Option<Vec<u8>>, Option<i32>);
 
+/// A `state` column's letter; one this version does not know is a later version's.
+fn admin_state(letter: i8) -> Result<admin::State, StoreError> {
+    admin::State::from_letter(letter as u8)
+        .ok_or_else(|| StoreError::NewerFormat(format::newer_state(&[letter as u8])))
+}
+
 fn admin_record(row: AdminRow) -> Result<admin::Record, StoreError> {
     let (key, state, attempts, lease_ms, ttl_ms, fingerprint, result_len) = row;
-    let state = admin::State::from_letter(state as u8)
-        .ok_or_else(|| StoreError::Protocol(format!("record state {state} in the table")))?;
+    let state = admin_state(state)?;
     let (namespace, id) = admin::Record::split(&key);
     let millis = |ms: i64| Duration::from_millis(u64::try_from(ms).unwrap_or(0));
     Ok(admin::Record {
@@ -748,9 +759,7 @@ GROUP BY 1, 2"
         .map_err(sql::store_error)?;
         let mut stats = Vec::with_capacity(rows.len());
         for (namespace, state, count) in rows {
-            let state = admin::State::from_letter(state as u8).ok_or_else(|| {
-                StoreError::Protocol(format!("record state {state} in the table"))
-            })?;
+            let state = admin_state(state)?;
             let namespace = String::from_utf8_lossy(&namespace).into_owned();
             stats.push((namespace, state, u64::try_from(count).unwrap_or(0)));
         }

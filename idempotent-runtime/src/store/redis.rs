@@ -11,7 +11,7 @@ use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use redis::cluster_async::ClusterConnection;
 use redis::{IntoConnectionInfo, RedisError, Script};
 
-use super::admin;
+use super::{admin, format};
 use crate::{Claim, Fingerprint, Key, Store, StoreError, Token, Transition};
 
 /// The default key prefix: records live at `idempotent:{namespace}:{id}`.
@@ -59,11 +59,12 @@ if not r then
   redis.call('SET', KEYS[1], 'P' .. ARGV[1] .. ' ' .. (tonumber(ARGV[3]) - lease) .. ' 1 ' .. ARGV[4] .. ' ', 'PX', ARGV[3])
   return {'W', 1}
 end
+if string.byte(r, 1) == 35 then return redis.error_reply('IDEMPOTENT_NEWER ' .. string.sub(r, 1, 12)) end
 local s, t, held, a, fp, result = string.match(r, '^(%u)(%S+) (%d+) (%d+) (%S+) (.*)$')
 local deadline
 if not s then
   s, a, deadline, t, fp, result = string.match(r, '^(%u) (%d+) (%d+) (%S+) (%S+) (.*)$')
-  if not s then return redis.error_reply('IDEMPOTENT_UNREADABLE record written by another program or a newer version') end
+  if not s then return redis.error_reply('IDEMPOTENT_UNREADABLE record written by another program') end
 end
 a = tonumber(a)
 if s == 'P' and t == ARGV[1] then return {'W', a} end
@@ -501,12 +502,18 @@ fn ensure_crypto_provider() {
 
 /// A Redis error as a store error. A key of another type under the store's name
 /// (`WRONGTYPE`: another program's key) or a record the scripts can't read (written by
-/// another program or version) fails the same way every time: [`StoreError::Rejected`],
-/// so the message is dead-lettered instead of retried for ever. Anything else (the
+/// another program) fails the same way every time: [`StoreError::Rejected`], so the
+/// message is dead-lettered instead of retried for ever. A record of a later format is
+/// [`StoreError::NewerFormat`], retried. Anything else (the
 /// connection, a timeout, a busy or loading server) is [`StoreError::Unavailable`].
 fn unavailable(error: RedisError) -> StoreError {
     match error.code() {
         Some("WRONGTYPE" | "IDEMPOTENT_UNREADABLE") => StoreError::Rejected(Box::new(error)),
+        // A record of a later format (`format`): its head follows the code.
+        Some("IDEMPOTENT_NEWER") => StoreError::NewerFormat(
+            format::newer(error.detail().unwrap_or("#").as_bytes())
+                .unwrap_or_else(|| "a record format of a later version".to_owned()),
+        ),
         _ => StoreError::unavailable(error),
     }
 }
@@ -563,6 +570,10 @@ impl Claiming {
     /// format, or unreadable.
     fn settle(&self, record: &[u8]) -> Option<Claim> {
         let (&state, rest) = record.split_first()?;
+        if !matches!(state, b'P' | b'R' | b'D' | b'F') {
+            // Another program's value, or a later format's (`#`): the script says which.
+            return None;
+        }
         let mut fields = rest.splitn(5, |&b| b == b' ');
         let (token, held, attempts, fingerprint, result) =
             (fields.next()?, fields.next()?, fields.next()?, fields.next()?, fields.next()?);
@@ -779,8 +790,10 @@ fn read_record(
 enum Found {
     Nothing,
     Record(admin::Record),
-    /// A key of another type, or a string in neither record format.
+    /// A key of another type, or a string in no record format.
     Foreign(&'static str),
+    /// A record of a later format (`format`), named.
+    Newer(String),
 }
 
 impl RedisStore {
@@ -802,6 +815,9 @@ impl RedisStore {
             return Ok(Found::Nothing);
         }
         let stored = redis_key.get(self.prefix.len() + 1..).unwrap_or_default();
+        if let Some(what) = format::newer(&head) {
+            return Ok(Found::Newer(what));
+        }
         Ok(match read_record(stored, &head, len, pttl, now) {
             Some(record) => Found::Record(record),
             None => Found::Foreign("a string in no record format this version reads"),
@@ -883,6 +899,7 @@ impl admin::Admin for RedisStore {
         match self.read_at(&self.redis_key(key)).await? {
             Found::Nothing => Ok(None),
             Found::Record(record) => Ok(Some(record)),
+            Found::Newer(what) => Err(StoreError::NewerFormat(what)),
             Found::Foreign(what) => Err(StoreError::Rejected(
                 format!("{key}: {what} (written by another program or version)").into(),
             )),
@@ -1071,6 +1088,9 @@ mod tests {
             format!("D 2 0 {OTHER} - cached"), // the first format
             format!("P 1 1700000000000 {OTHER} - "), // the first format
             "v9|something else".to_owned(), // not a record: the script refuses it
+            // A later format, even one whose fields would read as this one's.
+            format!("#3 1 2 {} done", "ab".repeat(32)),
+            format!("#{OTHER} 60000 1 - "),
             format!("D{OTHER} 60000 +1 - "),
             format!("D{OTHER} x 1 - "),
             "D".to_owned(),
@@ -1079,6 +1099,9 @@ mod tests {
         for record in records {
             assert_eq!(claim.settle(record.as_bytes()), None, "{record:?}");
         }
+        // Not a mismatch: a later format's fields mean what that version says.
+        let later = format!("#3 1 2 {} done", "ab".repeat(32));
+        assert_eq!(claiming(&"cd".repeat(32)).settle(later.as_bytes()), None);
     }
 
     #[test]

@@ -34,7 +34,7 @@ use async_trait::async_trait;
 use sha2::{Digest, Sha256};
 use zookeeper_client as zk;
 
-use super::admin;
+use super::{admin, format};
 use crate::{Claim, Fingerprint, Key, Store, StoreError, Token, Transition, claim_retention};
 
 /// The parent of every record unless configured.
@@ -208,8 +208,9 @@ impl ZooKeeperStore {
             Err(zk::Error::NoNode) => return Ok(None),
             Err(e) => return Err(zk_error(e)),
         };
-        let record = Record::parse(&data).ok_or_else(|| {
-            StoreError::Rejected("unreadable record: written by another program or version".into())
+        let record = Record::parse(&data).ok_or_else(|| match format::newer(&data) {
+            Some(what) => StoreError::NewerFormat(what),
+            None => StoreError::Rejected("unreadable record: written by another program".into()),
         })?;
         let now = self.now(client).await?;
         Ok(Some((record, stat, now)))
@@ -363,9 +364,12 @@ impl ZooKeeperStore {
         let client = self.client().await?;
         let (path, _) = self.paths(key);
         for _ in 0..RACES {
-            let Some((record, stat, now)) = self.read(&client, &path).await? else {
-                return Ok(Transition::LeaseLost);
+            let read = match self.read(&client, &path).await {
+                // A later version's record is not this claim's (`format`).
+                Err(StoreError::NewerFormat(_)) => return Ok(Transition::LeaseLost),
+                read => read?,
             };
+            let Some((record, stat, now)) = read else { return Ok(Transition::LeaseLost) };
             if now >= stat.mtime.saturating_add(record.keep) {
                 return Ok(Transition::LeaseLost);
             }
