@@ -552,6 +552,106 @@ pub async fn payload_mismatch_is_refused<S: Store + ?Sized>(store: &S) {
     assert_eq!(store.complete(&busy, token, TTL, None).await.unwrap(), Transition::Applied);
 }
 
+/// Ids a hostile producer can send: NUL, CR/LF, spaces, invalid UTF-8, pattern and
+/// separator characters, ids just under [`MAX_KEY_LEN`](crate::MAX_KEY_LEN) that
+/// differ only in their last byte, and an id spelling another's hashed form. Each runs
+/// once and keeps its own record. An id over the limit (1 MiB) is a key error before
+/// the store: dead-letter, nothing run, nothing claimed.
+pub async fn hostile_ids_keep_their_own_records<S: Store + ?Sized>(store: &S) {
+    let namespace = fresh_key("hostile").namespace().to_owned();
+    let longest = crate::MAX_KEY_LEN - namespace.len() - 1;
+    let long = |last: u8| {
+        let mut id = vec![b'\0'; longest];
+        id[longest - 1] = last;
+        id
+    };
+    let stored_long = Key::new(&namespace, long(b'a')).unwrap().stored().into_owned();
+    let ids: Vec<Vec<u8>> = vec![
+        b"a\0b".to_vec(),
+        b"a\0c".to_vec(),
+        b"a".to_vec(),
+        b"a\r\nb".to_vec(),
+        b"a b  c".to_vec(),
+        b"\xff\xfe\x80".to_vec(),
+        b"*?[]%_\\'\"".to_vec(),
+        b":".to_vec(),
+        long(b'a'),
+        long(b'b'),
+        stored_long[namespace.len() + 1..].to_vec(),
+    ];
+    let runs = AtomicU32::new(0);
+    let handle = |id: &[u8], value: u32| {
+        let key = Key::new(&namespace, id).expect("within the limit");
+        let runs = &runs;
+        run(
+            Call::new(spec(5), Ok(key)),
+            store,
+            Failure::class,
+            Alerts::default().hook(),
+            async move {
+                runs.fetch_add(1, Ordering::SeqCst);
+                Ok::<u32, Failure>(value)
+            },
+        )
+    };
+    for (i, id) in ids.iter().enumerate() {
+        let out = handle(id, i as u32).await;
+        assert_eq!(out.unwrap(), Outcome::Processed(i as u32), "id {i} is new");
+    }
+    for (i, id) in ids.iter().enumerate() {
+        assert_eq!(handle(id, 99).await.unwrap(), Outcome::Duplicate, "id {i} again");
+    }
+    assert_eq!(runs.load(Ordering::SeqCst), ids.len() as u32);
+
+    let too_long = Key::new(&namespace, vec![b'x'; 1 << 20]);
+    let error = too_long.clone().expect_err("1 MiB is over the limit");
+    assert!(error.to_string().contains(&crate::MAX_KEY_LEN.to_string()), "{error}");
+    let out =
+        run(Call::new(spec(5), too_long), store, Failure::class, Alerts::default().hook(), async {
+            Ok::<u32, Failure>(runs.fetch_add(1, Ordering::SeqCst))
+        })
+        .await;
+    assert!(matches!(out, Err(Error::Key(_))), "{out:?}");
+    assert_eq!(crate::DispositionExt::disposition(&out), crate::Disposition::DeadLetter);
+    assert_eq!(runs.load(Ordering::SeqCst), ids.len() as u32, "the handler did not run");
+}
+
+/// A cached value that no longer reads back as the handler's type (it changed shape
+/// between versions) is [`Error::Cache`]: ack, the handler does not run again, and the
+/// record stays. A compatible type reads it. Values holding NUL, spaces and line
+/// breaks round-trip.
+pub async fn cached_result_of_another_shape_is_a_cache_error<S: Store + ?Sized>(store: &S) {
+    let (key, runs) = (fresh_key("cache-shape"), AtomicU32::new(0));
+    let stored = vec!["a\0b".to_owned(), " \r\n ".to_owned(), String::new()];
+    let call = Call::new(spec(5), Ok(key.clone())).cached::<Vec<String>>();
+    let value = stored.clone();
+    let first = run(call, store, Failure::class, Alerts::default().hook(), async {
+        runs.fetch_add(1, Ordering::SeqCst);
+        Ok::<_, Failure>(value)
+    });
+    assert_eq!(first.await.unwrap(), Outcome::Processed(stored.clone()));
+    let call = Call::new(spec(5), Ok(key.clone())).cached::<u64>();
+    let changed = run(call, store, Failure::class, Alerts::default().hook(), async {
+        runs.fetch_add(1, Ordering::SeqCst);
+        Ok::<u64, Failure>(7)
+    })
+    .await;
+    let Err(Error::Cache { reason }) = &changed else { panic!("{changed:?}") };
+    assert!(
+        reason.contains("u64") || reason.contains("integer"),
+        "says what was expected: {reason}"
+    );
+    assert_eq!(crate::DispositionExt::disposition(&changed), crate::Disposition::Ack);
+    let call = Call::new(spec(5), Ok(key.clone())).cached::<Vec<Box<str>>>();
+    let compatible = run(call, store, Failure::class, Alerts::default().hook(), async {
+        runs.fetch_add(1, Ordering::SeqCst);
+        Ok::<Vec<Box<str>>, Failure>(Vec::new())
+    });
+    let expected: Vec<Box<str>> = stored.iter().map(|s| s.as_str().into()).collect();
+    assert_eq!(compatible.await.unwrap(), Outcome::Replayed(expected));
+    assert_eq!(runs.load(Ordering::SeqCst), 1, "only the first delivery ran");
+}
+
 /// With `cache`, duplicates get the first delivery's value back; a value too large to
 /// cache is refused with an error, and the message is still recorded DONE.
 pub async fn cached_result_is_replayed<S: Store + ?Sized>(store: &S) {
@@ -801,6 +901,8 @@ pub const CASES: &[&str] = &[
     "concurrent_same_key_runs_once",
     "payload_mismatch_is_refused",
     "cached_result_is_replayed",
+    "hostile_ids_keep_their_own_records",
+    "cached_result_of_another_shape_is_a_cache_error",
     "many_keys_each_once",
 ];
 
@@ -820,7 +922,8 @@ macro_rules! store_suite {
             lost_lease_failure_is_not_terminal, renewal_keeps_slow_handler,
             renewal_extends_retention, huge_durations_are_held, panic_on_last_attempt_fails,
             a_failed_completion_is_retried,
-            payload_mismatch_is_refused, cached_result_is_replayed);
+            payload_mismatch_is_refused, cached_result_is_replayed,
+            hostile_ids_keep_their_own_records, cached_result_of_another_shape_is_a_cache_error);
         $crate::store_suite!(@shared $make; concurrent_same_key_runs_once, many_keys_each_once);
     };
     (@cases $make:expr; $($case:ident),*) => {$(
