@@ -220,3 +220,93 @@ async fn fingerprints_read_numbers_like_keys_do() {
     let err = validated(parse(r#"{"id": 1, "amount": 101, "rate": 0}"#)).await.unwrap_err();
     assert!(matches!(err, Error::PayloadMismatch), "{err}");
 }
+
+#[idempotent(key = "{/id}", store = STORE, namespace = "hostile", validate = true)]
+async fn hostile(msg: &[u8], runs: &AtomicU32) {
+    let _ = msg;
+    runs.fetch_add(1, Ordering::SeqCst);
+}
+
+/// A payload of 100 MB with its id after the bulk: keyed (the whole text is checked)
+/// and fingerprinted once, a duplicate recognised, a one-byte change refused, and a
+/// truncated copy a key error. Nothing is copied per call beyond the key.
+#[tokio::test]
+async fn a_100_mb_payload_is_keyed_fingerprinted_and_refused_when_changed_or_cut() {
+    let bulk = 100 << 20;
+    let mut payload = Vec::with_capacity(bulk + 64);
+    payload.extend_from_slice(br#"{"bulk": ""#);
+    payload.resize(payload.len() + bulk, b'x');
+    payload.extend_from_slice(br#"", "id": "order-100mb"}"#);
+    let runs = AtomicU32::new(0);
+    assert!(hostile(&payload, &runs).await.unwrap().is_processed());
+    assert_eq!(hostile(&payload, &runs).await.unwrap(), Outcome::Duplicate);
+    let middle = payload.len() / 2;
+    payload[middle] = b'y';
+    let changed = hostile(&payload, &runs).await.unwrap_err();
+    assert!(matches!(changed, Error::PayloadMismatch), "{changed}");
+    let cut = hostile(&payload[..payload.len() - 2], &runs).await.unwrap_err();
+    assert!(matches!(cut, Error::Key(KeyError::NotJson { .. })), "{cut}");
+    assert_eq!(cut.disposition(), Disposition::DeadLetter);
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+}
+
+/// JSON nested 10,000 deep, as arrays and as objects, beside the id or holding it:
+/// walked without recursion, so no stack overflow; the id beside it keys the message,
+/// a container where the id should be is a key error.
+#[tokio::test]
+async fn json_nested_10000_deep_neither_overflows_nor_hides_the_id() {
+    let depth = 10_000;
+    let arrays = format!("{}{}", "[".repeat(depth), "]".repeat(depth));
+    let objects = format!("{}1{}", r#"{"a":"#.repeat(depth), "}".repeat(depth));
+    let runs = AtomicU32::new(0);
+    for (i, deep) in [&arrays, &objects].into_iter().enumerate() {
+        let beside = format!(r#"{{"deep": {deep}, "id": "deep-{i}"}}"#);
+        assert!(hostile(beside.as_bytes(), &runs).await.unwrap().is_processed(), "{i}");
+        assert_eq!(hostile(beside.as_bytes(), &runs).await.unwrap(), Outcome::Duplicate);
+        let holding = format!(r#"{{"id": {deep}}}"#);
+        let err = hostile(holding.as_bytes(), &runs).await.unwrap_err();
+        let Error::Key(KeyError::Pointer { why, .. }) = &err else { panic!("{err}") };
+        assert!(matches!(why, Unusable::Array | Unusable::Object), "{why:?}");
+        assert_eq!(err.disposition(), Disposition::DeadLetter);
+        // Unbalanced: one bracket short, at the bottom of the nesting.
+        let unbalanced = format!(r#"{{"id": "x", "deep": {}}}"#, &deep[1..]);
+        let err = hostile(unbalanced.as_bytes(), &runs).await.unwrap_err();
+        assert!(matches!(err, Error::Key(KeyError::NotJson { .. })), "{err}");
+    }
+    assert_eq!(runs.load(Ordering::SeqCst), 2);
+}
+
+/// A payload that is not UTF-8, or a key string escaping what no text can hold (a lone
+/// surrogate): a key error naming the pointer, never a lossy key that another message
+/// could share.
+#[tokio::test]
+async fn invalid_utf8_and_lone_surrogates_are_key_errors() {
+    let runs = AtomicU32::new(0);
+    for payload in [
+        &b"{\"id\": \"a\xffb\"}"[..],
+        b"{\"id\": \"\xed\xa0\x80\"}",
+        br#"{"id": "\ud800"}"#,
+        br#"{"id": "a\udc00b"}"#,
+        b"{\"id\": \"ok\", \"other\": \"\xc0\xaf\"}",
+        b"\xef\xbb\xbf{\"id\": \"bom\"}",
+    ] {
+        let err = hostile(payload, &runs).await.unwrap_err();
+        let Error::Key(KeyError::NotJson { pointer, reason }) = &err else {
+            panic!("{}: {err}", payload.escape_ascii())
+        };
+        assert_eq!(*pointer, "/id");
+        assert!(!reason.is_empty());
+        assert_eq!(err.disposition(), Disposition::DeadLetter);
+    }
+    assert_eq!(runs.load(Ordering::SeqCst), 0);
+    // Elsewhere in the document an escape is checked for its syntax only, as
+    // serde_json skips values: the key does not depend on it.
+    let skipped = br#"{"id": "lone elsewhere", "other": "\udfff"}"#;
+    assert!(hostile(skipped, &runs).await.unwrap().is_processed());
+    // A surrogate pair is one character, and keys like the character written out:
+    // the same key, whose other bytes `validate` then refuses.
+    assert!(hostile(br#"{"id": "\ud83d\ude00"}"#, &runs).await.unwrap().is_processed());
+    let written_out = hostile("{\"id\": \"\u{1F600}\"}".as_bytes(), &runs).await;
+    assert!(matches!(written_out, Err(Error::PayloadMismatch)), "{written_out:?}");
+    assert_eq!(runs.load(Ordering::SeqCst), 2);
+}

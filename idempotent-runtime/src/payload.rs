@@ -173,7 +173,7 @@ impl<'a> Document<'a> {
                 match found {
                     Err(e) => Err(PointerError::NotJson(e.to_string())),
                     Ok(None) => Err(PointerError::Unusable(Unusable::Missing)),
-                    Ok(Some(raw)) => render_raw(raw.get(), out).map_err(PointerError::Unusable),
+                    Ok(Some(raw)) => render_raw(raw.get(), out),
                 }
             }
         }
@@ -368,23 +368,28 @@ fn render_value(value: Option<&Value>, out: &mut String) -> Result<(), Unusable>
     }
 }
 
-/// Renders a value's JSON text (validated) as a key part, by the same rule.
-fn render_raw(raw: &str, out: &mut String) -> Result<(), Unusable> {
+/// Renders a value's JSON text (its syntax checked) as a key part, by the same rule.
+fn render_raw(raw: &str, out: &mut String) -> Result<(), PointerError> {
     let raw = raw.trim_start();
+    let unusable = |why| Err(PointerError::Unusable(why));
     match raw.as_bytes().first() {
         Some(b'"') => {
-            let s: Cow<'_, str> = serde_json::from_str(raw).map_err(|_| Unusable::Missing)?;
+            // The walk checked the string's syntax, not what its escapes encode: a
+            // lone surrogate (`\ud800`) is no text, as serde_json says when decoding.
+            let s: Cow<'_, str> =
+                serde_json::from_str(raw).map_err(|e| PointerError::NotJson(e.to_string()))?;
             if s.is_empty() {
-                return Err(Unusable::EmptyString);
+                return unusable(Unusable::EmptyString);
             }
             out.push_str(&s);
             Ok(())
         }
-        Some(b'{') => Err(Unusable::Object),
-        Some(b'[') => Err(Unusable::Array),
-        Some(b't' | b'f') => Err(Unusable::Bool),
-        Some(b'n') => Err(Unusable::Null),
-        _ => json_number::canonical(raw.trim_end(), out).map_err(|_| Unusable::OutOfRange),
+        Some(b'{') => unusable(Unusable::Object),
+        Some(b'[') => unusable(Unusable::Array),
+        Some(b't' | b'f') => unusable(Unusable::Bool),
+        Some(b'n') => unusable(Unusable::Null),
+        _ => json_number::canonical(raw.trim_end(), out)
+            .map_err(|_| PointerError::Unusable(Unusable::OutOfRange)),
     }
 }
 
