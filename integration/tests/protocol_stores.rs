@@ -25,7 +25,6 @@ mod protocol;
 #[path = "support/zookeeper.rs"]
 mod zookeeper;
 
-use std::future::Future;
 use std::time::{Duration, Instant};
 
 use idempotent::admin::{self, Admin};
@@ -332,12 +331,15 @@ fn cases(default: u32) -> u32 {
     std::env::var("PROTOCOL_CASES").ok().and_then(|n| n.parse().ok()).unwrap_or(default)
 }
 
-/// Runs `cases` random sequences of up to `len` operations through `run` on `rt`.
-fn check<F, Fut>(rt: &tokio::runtime::Runtime, cases: u32, len: usize, run: F)
-where
-    F: Fn(Vec<Op>) -> Fut,
-    Fut: Future<Output = Result<(), TestCaseError>>,
-{
+/// Replays `cases` random sequences of up to `len` operations on `store` and the
+/// reference, on `rt`.
+fn follow<S: Store + Admin>(
+    rt: &tokio::runtime::Runtime,
+    store: &S,
+    clock: Clock,
+    cases: u32,
+    len: usize,
+) {
     let config = Config {
         cases,
         max_global_rejects: cases * 4,
@@ -345,7 +347,8 @@ where
         ..Config::default()
     };
     let mut runner = TestRunner::new(config);
-    match runner.run(&prop::collection::vec(op(), 1..len), |ops| rt.block_on(run(ops))) {
+    let sequences = prop::collection::vec(op(), 1..len);
+    match runner.run(&sequences, |ops| rt.block_on(replay(store, clock, &ops))) {
         Ok(()) => {}
         Err(TestError::Fail(why, ops)) => panic!("{why}\nminimal sequence: {ops:#?}"),
         Err(e) => panic!("{e}"),
@@ -364,20 +367,14 @@ fn memory_store_follows_the_reference() {
         .build()
         .unwrap();
     let store = MemoryStore::new();
-    check(&rt, cases(256), 40, |ops| {
-        let store = &store;
-        async move { replay(store, Clock::Paused, &ops).await }
-    });
+    follow(&rt, &store, Clock::Paused, cases(256), 40);
 }
 
 #[test]
 fn redis_store_follows_the_reference() {
     let rt = runtime();
     let Some(store) = rt.block_on(support::shared_store()) else { return };
-    check(&rt, cases(16), 24, |ops| {
-        let store = &store;
-        async move { replay(store, Clock::Real, &ops).await }
-    });
+    follow(&rt, &store, Clock::Real, cases(16), 24);
 }
 
 /// Claims by the Lua script alone, as before Redis 7 (no `SET NX GET`).
@@ -386,10 +383,7 @@ fn redis_store_with_claims_by_script_follows_the_reference() {
     let rt = runtime();
     let Some(store) = rt.block_on(support::shared_store()) else { return };
     let store = store.with_claims_by_script();
-    check(&rt, cases(16), 24, |ops| {
-        let store = &store;
-        async move { replay(store, Clock::Real, &ops).await }
-    });
+    follow(&rt, &store, Clock::Real, cases(16), 24);
 }
 
 #[test]
@@ -404,10 +398,7 @@ fn postgres_store_follows_the_reference() {
     }) else {
         return;
     };
-    check(&rt, cases(16), 24, |ops| {
-        let store = &store;
-        async move { replay(store, Clock::Real, &ops).await }
-    });
+    follow(&rt, &store, Clock::Real, cases(16), 24);
     rt.block_on(async {
         let drop = format!("DROP TABLE {table}");
         sqlx::query(sqlx::AssertSqlSafe(drop)).execute(store.pool()).await.unwrap();
@@ -425,10 +416,7 @@ fn mysql_store_follows_the_reference() {
     }) else {
         return;
     };
-    check(&rt, cases(16), 24, |ops| {
-        let store = &store;
-        async move { replay(store, Clock::Real, &ops).await }
-    });
+    follow(&rt, &store, Clock::Real, cases(16), 24);
     rt.block_on(mysql::drop_tables(store.pool(), &[&table]));
 }
 
@@ -452,8 +440,5 @@ fn zookeeper_store_follows_the_reference() {
         })
         .unzip();
     let Some(store) = store else { return };
-    check(&rt, cases(16), 24, |ops| {
-        let store = &store;
-        async move { replay(store, Clock::Real, &ops).await }
-    });
+    follow(&rt, &store, Clock::Real, cases(16), 24);
 }
