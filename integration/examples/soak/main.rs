@@ -22,6 +22,7 @@ mod postgres_config;
 mod procs;
 mod proxy;
 mod redis_config;
+mod world;
 
 use std::collections::HashMap;
 use std::path::Path;
@@ -32,10 +33,9 @@ use std::time::{Duration, Instant};
 
 use faults::{FaultKind, FaultLog, Rng, Schedule};
 use idempotent::{Error, Outcome};
-use ledger::{AppendFile, Effect, now_ns};
-use postgres_config::PgWorld;
+use ledger::{AppendFile, now_ns};
 use procs::Consumers;
-use redis_config::RedisWorld;
+use world::{World, publish_all};
 
 /// Command-line options after the role: `--name value` pairs and bare flags.
 pub struct Opts(HashMap<String, Option<String>>);
@@ -182,115 +182,6 @@ impl<T> Drop for Task<T> {
     fn drop(&mut self) {
         self.0.abort();
     }
-}
-
-/// The controller's hold on one configuration's servers.
-enum World {
-    Redis(RedisWorld),
-    Postgres(PgWorld),
-}
-
-impl World {
-    async fn start(config: Config, run: &str, dir: &Path) -> Result<World, String> {
-        Ok(match config {
-            Config::Redis => World::Redis(RedisWorld::start(run, dir).await?),
-            Config::Postgres => World::Postgres(PgWorld::start(run, dir).await?),
-        })
-    }
-
-    fn consumer_args(&self) -> Box<dyn Fn(usize) -> Vec<String> + Send> {
-        match self {
-            World::Redis(w) => Box::new(w.consumer_args()),
-            World::Postgres(w) => Box::new(w.consumer_args()),
-        }
-    }
-
-    async fn inject(&self, kind: FaultKind, rng: &mut Rng, log: &FaultLog) {
-        match self {
-            World::Redis(w) => w.inject(kind, rng, log).await,
-            World::Postgres(w) => w.inject(kind, rng, log).await,
-        }
-    }
-
-    async fn effects(&self) -> Result<Vec<Effect>, String> {
-        match self {
-            World::Redis(w) => Ok(w.effects()),
-            World::Postgres(w) => w.effects().await,
-        }
-    }
-
-    async fn settled(&self) -> bool {
-        match self {
-            World::Redis(w) => w.settled().await,
-            World::Postgres(w) => w.settled().await,
-        }
-    }
-
-    async fn heal(&self) {
-        match self {
-            World::Redis(w) => w.heal().await,
-            World::Postgres(w) => w.heal().await,
-        }
-    }
-
-    async fn cleanup(self) {
-        match self {
-            World::Redis(w) => w.cleanup().await,
-            World::Postgres(w) => w.cleanup().await,
-        }
-    }
-}
-
-/// Publishes `0..` at `rate` a second until `stop`, each id again until it is
-/// stored; answers each id's publish time (Unix ns, its first attempt).
-async fn publish_all(
-    world: Arc<World>,
-    rate: u64,
-    stop: Arc<AtomicBool>,
-) -> Result<Vec<u64>, String> {
-    enum Publisher {
-        Redis(redis::aio::ConnectionManager, String),
-        Rabbit(idempotent::publish::rabbitmq::RabbitPublisher, String),
-    }
-    let mut publisher = match &*world {
-        World::Redis(w) => Publisher::Redis(w.publisher().await?, w.stream.clone()),
-        World::Postgres(w) => Publisher::Rabbit(w.publisher().await?, w.queue.clone()),
-    };
-    let start = Instant::now();
-    let mut published = Vec::new();
-    while !stop.load(Ordering::SeqCst) {
-        let due = (start.elapsed().as_secs_f64() * rate as f64) as u64;
-        if published.len() as u64 >= due {
-            tokio::time::sleep(Duration::from_millis(2)).await;
-            continue;
-        }
-        let id = published.len() as u64;
-        let at = now_ns();
-        let mut failures = 0u32;
-        loop {
-            let sent = match &mut publisher {
-                Publisher::Redis(conn, stream) => redis_config::publish(conn, stream, id, at).await,
-                Publisher::Rabbit(p, queue) => postgres_config::publish(p, queue, id, at).await,
-            };
-            match sent {
-                Ok(()) => break,
-                Err(error) => {
-                    failures += 1;
-                    if failures % 20 == 1 {
-                        tracing::warn!(id, %error, "publishing failed; sending it again");
-                    }
-                    if failures > 1_200 {
-                        return Err(format!(
-                            "publishing message {id} failed for 2 minutes: {error}"
-                        ));
-                    }
-                    tokio::time::sleep(Duration::from_millis(100)).await;
-                }
-            }
-        }
-        published.push(at);
-    }
-    Ok(published)
 }
 
 /// One configuration's run, from start to accounting. Answers its table row and
