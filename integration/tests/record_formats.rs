@@ -21,11 +21,11 @@ use std::future::Future;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Duration;
 
-use idempotent::admin::Admin;
+use idempotent::admin::{Admin, Filter, Released};
 use idempotent::testing::{self, block_on};
 use idempotent::{
-    Disposition, Error, Key, MysqlStore, PostgresStore, Store, StoreError, Token, Transition,
-    ZooKeeperStore, idempotent,
+    Disposition, Error, Fingerprint, Key, MysqlStore, PostgresStore, Store, StoreError, Token,
+    Transition, ZooKeeperStore, idempotent,
 };
 use sha2::{Digest, Sha256};
 use zookeeper_client as zk;
@@ -63,6 +63,10 @@ where
     let Err(error @ StoreError::NewerFormat(_)) = &claim else { panic!("{claim:?}") };
     assert!(!error.is_permanent(), "retried, not dead-lettered");
     assert!(error.to_string().contains("newer version"), "{error}");
+    // Its fields are the later version's: a fingerprint there is not compared.
+    let fingerprint = Fingerprint::of(&b"this version's payload"[..]);
+    let claim = store.claim(key, lease, ttl, Some(&fingerprint)).await;
+    assert!(matches!(claim, Err(StoreError::NewerFormat(_))), "{claim:?}");
 
     let runs = AtomicU32::new(0);
     let out = handle(id, store, &runs).await;
@@ -83,6 +87,16 @@ where
 
     let inspected = store.inspect(key).await;
     assert!(matches!(inspected, Err(StoreError::NewerFormat(_))), "{inspected:?}");
+    // Operators: released only with force; listings and counts leave it out and
+    // still show the rest.
+    let released = store.release_key(key, false).await.unwrap();
+    let Released::Refused(why) = &released else { panic!("{released:?}") };
+    assert!(why.contains("force"), "{why}");
+    let filter = Filter { namespace: Some("formats".into()), state: None };
+    let page = store.list(&filter, None, 1000).await.expect("the listing still works");
+    let record_key = store.record_key(key);
+    assert!(page.records.iter().all(|r| r.key != record_key), "left out of the listing");
+    store.stats(&filter).await.expect("the counts still work");
     assert_eq!(raw().await, before, "the record is as the newer version wrote it");
 }
 
@@ -92,7 +106,15 @@ fn redis_leaves_a_newer_record_alone() {
         let Some(store) = support::shared_store().await else { return };
         let mut conn = store.connection_manager().unwrap().clone();
         // Also `#` alone and a mark in the first format's place.
-        for record in ["#3 P0123 1 1 - whatever a later version keeps", "#", "#12 "] {
+        let records: [&[u8]; 5] = [
+            b"#3 P0123 1 1 - whatever a later version keeps",
+            b"#",
+            b"#12 ",
+            // Not UTF-8 where a cut of the head would end.
+            "#3 abcdefgh\u{20ac} rest".as_bytes(),
+            b"#\xff\xfe\xfd binary",
+        ];
+        for record in records {
             let (id, key) = fresh();
             let redis_key = store.redis_key(&key);
             let _: () = redis::cmd("SET")
@@ -140,11 +162,12 @@ fn postgres_leaves_a_newer_record_alone() {
         store.migrate().await.unwrap();
         let (id, key) = fresh();
         let insert = format!(
-            "INSERT INTO {table} (key, state, attempts, expires_at, result)
-             VALUES ($1, 'N', 7, clock_timestamp() + interval '1 hour', 'later')"
+            "INSERT INTO {table} (key, state, attempts, expires_at, fingerprint, result)
+             VALUES ($1, 'N', 7, clock_timestamp() + interval '1 hour', $2, 'later')"
         );
         sqlx::query(sqlx::AssertSqlSafe(insert))
             .bind(key.stored().as_ref())
+            .bind([7u8; 32].as_slice())
             .execute(&pool)
             .await
             .unwrap();
@@ -185,11 +208,12 @@ fn mysql_leaves_a_newer_record_alone() {
         store.migrate().await.unwrap();
         let (id, key) = fresh();
         let insert = format!(
-            "INSERT INTO {table} (`key`, state, attempts, expires_at, result)
-             VALUES (?, 'N', 7, NOW(6) + INTERVAL 1 HOUR, 'later')"
+            "INSERT INTO {table} (`key`, state, attempts, expires_at, fingerprint, result)
+             VALUES (?, 'N', 7, NOW(6) + INTERVAL 1 HOUR, ?, 'later')"
         );
         sqlx::query(sqlx::AssertSqlSafe(insert))
             .bind(key.stored().as_ref())
+            .bind([7u8; 32].as_slice())
             .execute(&pool)
             .await
             .unwrap();

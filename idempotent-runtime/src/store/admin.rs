@@ -263,7 +263,10 @@ pub trait Admin: Send + Sync {
     /// first page, then each page's [`next`](Page::next)). A page never reads more than
     /// a bounded part of the store. Records written or deleted while the pages are
     /// read may or may not be seen; every record present throughout is seen once
-    /// (Redis Cluster: as long as no slot moves between masters meanwhile).
+    /// (Redis Cluster: as long as no slot moves between masters meanwhile). Records
+    /// this version cannot read (another program's, or a later version's:
+    /// [`format`](super::format)) are left out of listings and counts;
+    /// [`inspect`](Admin::inspect) names them.
     async fn list(
         &self,
         filter: &Filter,

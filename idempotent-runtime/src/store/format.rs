@@ -14,7 +14,8 @@
 //!   retry: the message comes back until a consumer of the newer version takes it, or
 //!   the record expires. A transition (complete, release, fail, renew) answers
 //!   [`LeaseLost`](crate::Transition::LeaseLost): the record is no longer this
-//!   claim's.
+//!   claim's. The [admin](super::admin) operations leave it out of listings and
+//!   counts, name it on `inspect`, and release it only with `force`.
 //!
 //! How a later format is told apart from another program's data, which is
 //! dead-lettered instead ([`StoreError::Rejected`](crate::StoreError::Rejected)):
@@ -49,8 +50,13 @@ pub(crate) fn newer(record: &[u8]) -> Option<String> {
 /// [`StoreError::NewerFormat`](crate::StoreError::NewerFormat).
 #[cfg(any(feature = "postgres", feature = "mysql"))]
 pub(crate) fn newer_state(letter: &[u8]) -> String {
-    let letter = letter.escape_ascii().to_string();
-    format!("a record in state {letter:?}, which this version does not know")
+    format!("a record in state '{}', which this version does not know", letter.escape_ascii())
+}
+
+/// Why an operator's release (without force) leaves a later version's record.
+#[cfg(any(feature = "postgres", feature = "mysql"))]
+pub(crate) fn newer_refusal(letter: u8) -> String {
+    format!("{}, written by a newer version: pass force to delete it", newer_state(&[letter]))
 }
 
 #[cfg(test)]

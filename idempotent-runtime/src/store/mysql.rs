@@ -606,11 +606,11 @@ ON DUPLICATE KEY UPDATE
                      AND (fingerprint IS NULL OR :fingerprint IS NULL
                           OR fingerprint = :fingerprint))
                 THEN ({WON} << {VERDICT_SHIFT}) | IF(expires_at <= {NOW}, 1, attempts + 1)
+            WHEN state NOT IN ('P', 'R', 'D', 'F') THEN ({NEWER} << {VERDICT_SHIFT}) | ORD(state)
             WHEN fingerprint <> :fingerprint THEN {MISMATCH} << {VERDICT_SHIFT}
             WHEN state = 'D'
                 THEN ({DONE} << {VERDICT_SHIFT}) | IF(result IS NULL, 0, {CACHED}) | attempts
             WHEN state = 'F' THEN ({FAILED} << {VERDICT_SHIFT}) | attempts
-            WHEN state <> 'P' THEN ({NEWER} << {VERDICT_SHIFT}) | ORD(state)
             ELSE ({IN_PROGRESS} << {VERDICT_SHIFT})
                  | IF(TIMESTAMPDIFF(MICROSECOND, {NOW}, lease_until) DIV 1000 > 4294967295,
                       {CACHED} | LEAST(TIMESTAMPDIFF(SECOND, {NOW}, lease_until), 4294967295),
@@ -680,7 +680,8 @@ fn admin_record(row: AdminRow) -> Result<admin::Record, StoreError> {
 /// conditions that apply are written: `? IS NULL OR ...` would keep the optimizer from
 /// using the index's range.
 fn admin_conditions(filter: &admin::Filter, after: Option<Vec<u8>>) -> (String, Vec<Vec<u8>>) {
-    let mut sql = format!("expires_at > {NOW}");
+    // Records of a later version's format (`format`) are left out.
+    let mut sql = format!("expires_at > {NOW} AND state IN ('P', 'R', 'D', 'F')");
     let mut values = Vec::new();
     if let Some(after) = after {
         sql.push_str(" AND `key` > ?");
@@ -811,7 +812,13 @@ FROM {t} WHERE `key` = ? AND expires_at > {NOW}"
         .map_err(sql::store_error)?;
         // Gone since the deletes (released by someone else, or expired): absent.
         let Some((state, lease_ms)) = row else { return Ok(admin::Released::NotFound) };
-        let state = admin_state(&state)?;
+        let state = match admin_state(&state) {
+            Ok(state) => state,
+            Err(_) => {
+                let letter = state.first().copied().unwrap_or(0);
+                return Ok(admin::Released::Refused(format::newer_refusal(letter)));
+            }
+        };
         if let Some(expected) = expected.filter(|&expected| state != expected) {
             return Ok(admin::changed(Some(state), expected));
         }

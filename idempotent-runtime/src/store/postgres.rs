@@ -387,9 +387,10 @@ fn claim_answer(
             lease_left: lease_left.map(|ms| Duration::from_millis(u64::try_from(ms).unwrap_or(0))),
         }),
         "M" => Ok(Claim::Mismatch),
-        // A state letter of a later version (`format`).
+        // A state letter of a later version (`format`), as its code.
         other if other.starts_with('U') => {
-            Err(StoreError::NewerFormat(format::newer_state(&other.as_bytes()[1..])))
+            let letter = other[1..].parse::<i8>().unwrap_or(0) as u8;
+            Err(StoreError::NewerFormat(format::newer_state(&[letter])))
         }
         other => Err(StoreError::Protocol(format!("claim returned {other:?}"))),
     }
@@ -503,12 +504,12 @@ fn claim_sql(t: &str, commit: ClaimCommit) -> String {
 )
 SELECT outcome, attempts, result, NULL::bigint FROM claimed
 UNION ALL
-SELECT CASE WHEN r.fingerprint IS NOT NULL AND $5::bytea IS NOT NULL
+SELECT CASE WHEN r.state NOT IN ('P', 'R', 'D', 'F') THEN 'U' || r.state::int4::text
+            WHEN r.fingerprint IS NOT NULL AND $5::bytea IS NOT NULL
                  AND r.fingerprint <> $5::bytea THEN 'M'
             WHEN r.state = 'D' THEN 'D'
             WHEN r.state = 'F' THEN 'F'
-            WHEN r.state IN ('P', 'R') THEN 'P'
-            ELSE 'U' || r.state::text END,
+            ELSE 'P' END,
        r.attempts, r.result,
        GREATEST(0, ceil(extract(epoch FROM r.lease_until - clock_timestamp()) * 1000))::bigint
 FROM {t} r
@@ -545,12 +546,12 @@ SELECT outcome, attempts, result FROM claimed
 UNION ALL
 SELECT CASE WHEN NOT pg_try_advisory_xact_lock($2) THEN 'P'
             WHEN r.key IS NULL THEN NULL
+            WHEN r.state NOT IN ('P', 'R', 'D', 'F') THEN 'U' || r.state::int4::text
             WHEN r.fingerprint IS NOT NULL AND $4::bytea IS NOT NULL
                  AND r.fingerprint <> $4::bytea THEN 'M'
             WHEN r.state = 'D' THEN 'D'
             WHEN r.state = 'F' THEN 'F'
-            WHEN r.state IN ('P', 'R') THEN 'P'
-            ELSE 'U' || r.state::text END,
+            ELSE 'P' END,
        coalesce(r.attempts, 0), r.result
 FROM (SELECT) AS one LEFT JOIN {t} r ON r.key = $1 AND r.expires_at > clock_timestamp()
 WHERE NOT EXISTS (SELECT 1 FROM claimed)"
@@ -645,6 +646,7 @@ impl admin::Admin for PostgresStore {
         let rows: Vec<AdminRow> = sqlx::query_as(AssertSqlSafe(format!(
             "SELECT {ADMIN_COLUMNS} FROM {t}
 WHERE expires_at > clock_timestamp()
+  AND state IN ('P', 'R', 'D', 'F') -- a later version's records (`format`) left out
   AND ($1::bytea IS NULL OR key > $1) AND ($2::bytea IS NULL OR key >= $2)
   AND ($3::bytea IS NULL OR key < $3) AND ($4::\"char\" IS NULL OR state = $4)
 ORDER BY key LIMIT $5"
@@ -705,7 +707,10 @@ FROM (SELECT) AS one LEFT JOIN {t} r ON r.key = $1"
             return Ok(admin::Released::Released);
         }
         let state = match (state, live) {
-            (Some(state), Some(true)) => admin::State::from_letter(state as u8),
+            (Some(letter), Some(true)) => match admin::State::from_letter(letter as u8) {
+                None => return Ok(admin::Released::Refused(format::newer_refusal(letter as u8))),
+                known => known,
+            },
             _ => return Ok(admin::Released::NotFound),
         };
         if let Some(expected) = expected.filter(|&expected| state != Some(expected)) {
@@ -747,8 +752,9 @@ FROM (SELECT) AS one LEFT JOIN {t} r ON r.key = $1"
             "SELECT substring(key FROM 1 FOR GREATEST(position('\\x3a'::bytea IN key) - 1, 0)),
        state, count(*)
 FROM {t}
-WHERE expires_at > clock_timestamp() AND ($1::bytea IS NULL OR key >= $1)
-  AND ($2::bytea IS NULL OR key < $2) AND ($3::\"char\" IS NULL OR state = $3)
+WHERE expires_at > clock_timestamp() AND state IN ('P', 'R', 'D', 'F')
+  AND ($1::bytea IS NULL OR key >= $1) AND ($2::bytea IS NULL OR key < $2)
+  AND ($3::\"char\" IS NULL OR state = $3)
 GROUP BY 1, 2"
         )))
         .bind(from)

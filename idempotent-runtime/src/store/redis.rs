@@ -59,7 +59,7 @@ if not r then
   redis.call('SET', KEYS[1], 'P' .. ARGV[1] .. ' ' .. (tonumber(ARGV[3]) - lease) .. ' 1 ' .. ARGV[4] .. ' ', 'PX', ARGV[3])
   return {'W', 1}
 end
-if string.byte(r, 1) == 35 then return redis.error_reply('IDEMPOTENT_NEWER ' .. string.sub(r, 1, 12)) end
+if string.byte(r, 1) == 35 then return redis.error_reply('IDEMPOTENT_NEWER #' .. string.sub(string.match(r, '^#(%d*)'), 1, 9)) end
 local s, t, held, a, fp, result = string.match(r, '^(%u)(%S+) (%d+) (%d+) (%S+) (.*)$')
 local deadline
 if not s then
