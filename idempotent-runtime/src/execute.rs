@@ -180,16 +180,15 @@ impl<T> ResultCache<T> for JsonCache<T> {
 }
 
 /// The value as JSON, if it fits and reads back: serde_json writes a non-finite float
-/// as `null` (which an `Option<f64>` would read back as `None`), and a `Serialize` may
+/// and a `Some` of a null as `null` (which an `Option` reads back as `None`:
+/// `lossy_json`), and a `Serialize` may
 /// not mirror its `Deserialize`. A value that would not read back as itself is not
 /// stored, so its duplicates are plain ones rather than failed or wrong replays.
 fn encode_json<T: serde::Serialize + serde::de::DeserializeOwned>(
     value: &T,
 ) -> Result<Option<Vec<u8>>, String> {
-    if crate::finite::has_non_finite(value) {
-        return Err("result not cached: it holds a NaN or infinite float, which JSON \
-                    writes as null, so it would not read back as itself"
-            .to_owned());
+    if let Some(why) = crate::lossy_json::lossy(value) {
+        return Err(format!("result not cached: {why}, so it would not read back as itself"));
     }
     let bytes = serde_json::to_vec(value).map_err(|e| format!("result not cached: {e}"))?;
     if bytes.len() > MAX_CACHED_RESULT {
@@ -1007,6 +1006,26 @@ mod tests {
         let cache = JsonCache::<Vec<(String, Option<f32>)>>::new();
         assert!(cache.encode(&vec![("a".into(), Some(f32::NEG_INFINITY))]).is_err());
         assert!(cache.encode(&vec![("a".into(), Some(-0.0))]).is_ok());
+    }
+
+    /// serde_json writes `Some` of a null (`Some(None)`, `Some(())`, `Some(Null)`) as
+    /// `null`, which reads back as `None`: not cached, rather than replayed as `None`.
+    #[test]
+    fn results_holding_a_some_of_null_are_not_cached() {
+        let nested = JsonCache::<Option<Option<u32>>>::new();
+        let refused = nested.encode(&Some(None)).unwrap_err();
+        assert!(refused.contains("Some"), "{refused}");
+        assert_eq!(nested.encode(&Some(Some(9))), Ok(Some(b"9".to_vec())));
+        assert_eq!(nested.encode(&None), Ok(Some(b"null".to_vec())));
+        let value = JsonCache::<Option<serde_json::Value>>::new();
+        assert!(value.encode(&Some(serde_json::Value::Null)).is_err());
+        assert!(value.encode(&Some(serde_json::json!({"a": null}))).is_ok());
+        let units = JsonCache::<Vec<Option<()>>>::new();
+        assert!(units.encode(&vec![None, Some(())]).is_err());
+        assert!(units.encode(&vec![None, None]).is_ok());
+        let deep = JsonCache::<(u8, Option<Option<Option<u8>>>)>::new();
+        assert!(deep.encode(&(1, Some(Some(None)))).is_err());
+        assert!(deep.encode(&(1, Some(Some(Some(0))))).is_ok());
     }
 
     proptest::proptest! {

@@ -40,12 +40,12 @@ mod current;
 pub mod delivery;
 mod error;
 pub mod execute;
-mod finite;
 #[cfg(any(feature = "postgres", feature = "mysql"))]
 #[cfg_attr(docsrs, doc(cfg(any(feature = "postgres", feature = "mysql"))))]
 pub mod guard;
 mod json_number;
 mod key;
+mod lossy_json;
 pub mod metrics;
 mod outcome;
 mod payload;
