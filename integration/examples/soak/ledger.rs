@@ -25,9 +25,10 @@ pub struct Effect {
     pub at_ns: u64,
 }
 
-/// A consumer's report that a call ended in a way that lets its effect repeat: its
-/// `complete` answered lease-lost (`lease_lost`), or DONE could not be written after
-/// the effect (`done_unrecorded`).
+/// A consumer's report of how a call ended: it recorded DONE (`done`), so its effect
+/// must not repeat; or in a way that lets its effect repeat: its `complete` answered
+/// lease-lost (`lease_lost`), or DONE could not be written after the effect
+/// (`done_unrecorded`).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Event {
     /// The message's id.
@@ -36,7 +37,7 @@ pub struct Event {
     pub pid: u32,
     /// When, Unix nanoseconds.
     pub at_ns: u64,
-    /// `lease_lost` or `done_unrecorded`.
+    /// `done`, `lease_lost` or `done_unrecorded`.
     pub kind: String,
 }
 
@@ -169,6 +170,17 @@ pub fn account(
             .windows(2)
             .map(|pair| {
                 let (first, next) = (pair[0], pair[1]);
+                let reported = |kind: &str| {
+                    events_by_id.get(&id).and_then(|events| {
+                        events.iter().find(|e| {
+                            e.pid == first.pid && e.at_ns >= first.at_ns && e.kind == kind
+                        })
+                    })
+                };
+                // DONE was recorded after the first effect: nothing allows another.
+                if reported("done").is_some() {
+                    return None;
+                }
                 let killed = kills.iter().find(|k| {
                     k.pid == Some(first.pid) && k.at_ns >= first.at_ns && k.at_ns <= next.at_ns
                 });
@@ -179,10 +191,8 @@ pub fn account(
                         first.pid
                     ));
                 }
-                let reported = events_by_id.get(&id).and_then(|events| {
-                    events.iter().find(|e| e.pid == first.pid && e.at_ns >= first.at_ns)
-                });
-                reported.map(|e| format!("pid {} reported {} for it", e.pid, e.kind))
+                let repeatable = reported("lease_lost").or_else(|| reported("done_unrecorded"));
+                repeatable.map(|e| format!("pid {} reported {} for it", e.pid, e.kind))
             })
             .collect();
         doubles.push(Double { id, effects, reasons });

@@ -76,8 +76,9 @@ impl Opts {
     }
 }
 
-/// Writes an event line for a call whose effect may repeat: its `complete` answered
-/// lease-lost, or the effect ran and DONE could not be written.
+/// Writes an event line for a call that recorded DONE (`done`: its effect must not
+/// repeat), or whose effect may repeat: its `complete` answered lease-lost, or the
+/// effect ran and DONE could not be written.
 pub fn note<E: std::fmt::Display>(
     events: &AppendFile,
     pid: u32,
@@ -85,6 +86,7 @@ pub fn note<E: std::fmt::Display>(
     result: &Result<Outcome<()>, Error<E>>,
 ) {
     let kind = match result {
+        Ok(Outcome::Processed(_)) => "done",
         Err(Error::LeaseLost { .. }) => "lease_lost",
         Err(Error::Store { handler_ran: true, .. }) => "done_unrecorded",
         _ => return,
