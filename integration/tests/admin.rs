@@ -510,9 +510,7 @@ async fn zookeeper_store(
         Err(e) => eprintln!("no ZooKeeper at {hosts} ({e}): starting one"),
     }
     let server = zookeeper::ZooKeeperServer::start()?;
-    let store = ZooKeeperStore::connect_with(&server.hosts(), &root, session)
-        .await
-        .expect("the test's own ZooKeeper");
+    let store = zookeeper::connect(&server.hosts(), &root, session).await;
     Some((store, Some(server)))
 }
 

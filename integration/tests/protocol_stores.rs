@@ -434,8 +434,7 @@ fn zookeeper_store_follows_the_reference() {
                 Err(e) => eprintln!("no ZooKeeper at {hosts} ({e}): starting one"),
             }
             let server = zookeeper::ZooKeeperServer::start()?;
-            let store =
-                ZooKeeperStore::connect_with(&server.hosts(), &root, session).await.unwrap();
+            let store = zookeeper::connect(&server.hosts(), &root, session).await;
             Some((store, Some(server)))
         })
         .unzip();

@@ -7,7 +7,7 @@ mod zookeeper;
 use std::time::Duration;
 
 use idempotent::testing::block_on;
-use idempotent::{Claim, Key, Store as _, Transition, ZooKeeperStore};
+use idempotent::{Claim, Key, Store as _, Transition};
 use zookeeper::ZooKeeperServer;
 
 /// 5,000 claims in flight at once on one store (one session), half of them on 50
@@ -16,9 +16,7 @@ use zookeeper::ZooKeeperServer;
 fn thousands_of_claims_at_once_on_one_session() {
     let Some(server) = ZooKeeperServer::start() else { return };
     block_on(async {
-        let store = ZooKeeperStore::connect_with(&server.hosts(), "/many", Duration::from_secs(4))
-            .await
-            .unwrap();
+        let store = zookeeper::connect(&server.hosts(), "/many", Duration::from_secs(4)).await;
         let lease = Duration::from_secs(30);
         let claims = (0..5_000u32).map(|i| {
             let store = store.clone();
@@ -53,9 +51,7 @@ fn thousands_of_claims_at_once_on_one_session() {
 fn keys_of_any_bytes_and_the_longest_length() {
     let Some(server) = ZooKeeperServer::start() else { return };
     block_on(async {
-        let store = ZooKeeperStore::connect_with(&server.hosts(), "/bytes", Duration::from_secs(4))
-            .await
-            .unwrap();
+        let store = zookeeper::connect(&server.hosts(), "/bytes", Duration::from_secs(4)).await;
         let lease = Duration::from_secs(30);
         let every: Vec<u8> = (0..=255u8).collect();
         let longest_id = vec![0xffu8; 512];

@@ -73,10 +73,7 @@ async fn deliver(id: u32, store: &ZooKeeperStore, ledger: &Ledger, errors: &Atom
 fn a_server_restart_mid_stream_loses_nothing_and_doubles_nothing() {
     let Some(mut server) = ZooKeeperServer::start() else { return };
     block_on(async {
-        let store =
-            ZooKeeperStore::connect_with(&server.hosts(), "/orders", Duration::from_secs(4))
-                .await
-                .unwrap();
+        let store = zookeeper::connect(&server.hosts(), "/orders", Duration::from_secs(4)).await;
         let (ledger, errors, settled) =
             (Ledger::default(), AtomicUsize::new(0), AtomicUsize::new(0));
         let orders = futures_util::stream::iter(0..400u32)
@@ -128,10 +125,8 @@ fn an_expired_session_hands_the_claim_over_and_the_old_owner_gets_lease_lost() {
     block_on(async {
         let proxy = Proxy::start(server.hosts()).await;
         let session = Duration::from_secs(1);
-        let cut_off =
-            ZooKeeperStore::connect_with(&proxy.address, "/orders", session).await.unwrap();
-        let other =
-            ZooKeeperStore::connect_with(&server.hosts(), "/orders", session).await.unwrap();
+        let cut_off = zookeeper::connect(&proxy.address, "/orders", session).await;
+        let other = zookeeper::connect(&server.hosts(), "/orders", session).await;
         // The first call's body waits for ever: only its renewal can end it.
         let (ledger, never) = (Ledger::default(), Notify::new());
         let first = async {
@@ -171,9 +166,9 @@ fn two_consumers_racing_over_a_thousand_keys_apply_each_once() {
     let Some(server) = ZooKeeperServer::start() else { return };
     block_on(async {
         let session = Duration::from_secs(4);
-        let a = ZooKeeperStore::connect_with(&server.hosts(), "/race", session).await.unwrap();
-        let b = ZooKeeperStore::connect_with(&server.hosts(), "/race", session).await.unwrap();
-        let hung = ZooKeeperStore::connect_with(&server.hosts(), "/race", session).await.unwrap();
+        let a = zookeeper::connect(&server.hosts(), "/race", session).await;
+        let b = zookeeper::connect(&server.hosts(), "/race", session).await;
+        let hung = zookeeper::connect(&server.hosts(), "/race", session).await;
         for id in (0..1_000u32).step_by(2) {
             let key = Key::new("apply", format!("order:{id}")).unwrap();
             let lease = Duration::from_millis(300);
@@ -212,10 +207,7 @@ fn a_finish_with_a_longer_ttl_than_the_claim_outlives_the_claims_retention() {
     use idempotent::{Claim, Key, Store as _, Transition};
     let Some(server) = ZooKeeperServer::start() else { return };
     block_on(async {
-        let store =
-            ZooKeeperStore::connect_with(&server.hosts(), "/finish", Duration::from_secs(4))
-                .await
-                .unwrap();
+        let store = zookeeper::connect(&server.hosts(), "/finish", Duration::from_secs(4)).await;
         let short = Duration::from_millis(500);
         let (done, failed) =
             (Key::new("apply", "done").unwrap(), Key::new("apply", "failed").unwrap());
@@ -251,12 +243,11 @@ fn a_renewal_with_a_longer_lease_keeps_the_attempt_count_after_its_owner_died() 
     let Some(server) = ZooKeeperServer::start() else { return };
     block_on(async {
         let session = Duration::from_millis(800);
-        let other = ZooKeeperStore::connect_with(&server.hosts(), "/renew", session).await.unwrap();
+        let other = zookeeper::connect(&server.hosts(), "/renew", session).await;
         let key = Key::new("apply", "renewed").unwrap();
         let short = Duration::from_millis(500);
         {
-            let dying =
-                ZooKeeperStore::connect_with(&server.hosts(), "/renew", session).await.unwrap();
+            let dying = zookeeper::connect(&server.hosts(), "/renew", session).await;
             let Claim::Won { token, .. } = dying.claim(&key, short, short, None).await.unwrap()
             else {
                 panic!("not won")

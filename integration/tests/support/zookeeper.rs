@@ -82,6 +82,23 @@ impl ZooKeeperServer {
     }
 }
 
+/// Connects to a server the test started, trying again for up to 10 s: a JVM that
+/// has just answered `ruok` may still take longer than a short session's timeout to
+/// open its first sessions on a loaded machine.
+pub async fn connect(hosts: &str, root: &str, session: Duration) -> idempotent::ZooKeeperStore {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        match idempotent::ZooKeeperStore::connect_with(hosts, root, session).await {
+            Ok(store) => return store,
+            Err(e) if Instant::now() < deadline => {
+                eprintln!("connecting to ZooKeeper at {hosts}: {e}; trying again");
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+            Err(e) => panic!("ZooKeeper at {hosts}: {e}"),
+        }
+    }
+}
+
 /// Whether the server answers `ruok` with `imok`.
 fn ruok(port: u16) -> bool {
     use std::io::{Read, Write};
