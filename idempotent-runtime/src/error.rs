@@ -395,7 +395,7 @@ pub enum StoreError {
     /// format this version does not read (a rolling upgrade, or a rollback after one).
     /// It is left as it is, and the message is retried with the handler's backoff
     /// until a consumer of the newer version takes it or the record expires. See
-    /// [`store::format`](crate::store::format).
+    /// [`store::format`](mod@crate::store::format).
     #[error(
         "the record was written by a newer version of idempotent ({0}); it is left as it is and the message is retried: finish the upgrade, or wait for the record to expire"
     )]

@@ -265,7 +265,7 @@ pub trait Admin: Send + Sync {
     /// read may or may not be seen; every record present throughout is seen once
     /// (Redis Cluster: as long as no slot moves between masters meanwhile). Records
     /// this version cannot read (another program's, or a later version's:
-    /// [`format`](super::format)) are left out of listings and counts;
+    /// [`format`](mod@super::format)) are left out of listings and counts;
     /// [`inspect`](Admin::inspect) names them.
     async fn list(
         &self,

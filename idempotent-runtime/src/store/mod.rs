@@ -1,7 +1,7 @@
 //! Where idempotency records live: the [`Store`] trait and its implementations.
 //!
 //! * [`admin`]: [`Admin`](admin::Admin), to inspect, list, release and count records.
-//! * [`format`]: how records of another version of this library are treated.
+//! * [`format`](mod@format): how records of another version of this library are treated.
 //! * [`memory`]: [`MemoryStore`](memory::MemoryStore), in process.
 //! * [`none`]: [`NoStore`](none::NoStore), no records, for handlers guarded by
 //!   business state.
