@@ -202,47 +202,125 @@
 //! data. Inside a handler body, [`current()`] answers the key, attempt and claim
 //! token.
 //!
-//! # What the macro expands to
+//! # What `#[idempotent]` expands to
+//!
+//! The quickstart's handler (`examples/quickstart.rs`):
 //!
 //! ```ignore
-//! #[idempotent(key = "order:{order_id}:{customer.id}", ttl = 600)]
-//! async fn process_order(msg: OrderPlaced) -> Result<u64, PayError> { body }
-//! ```
-//!
-//! becomes, give or take hygiene and a never-taken `return` that lets rustc report
-//! type errors against your own code:
-//!
-//! ```ignore
-//! async fn process_order(msg: OrderPlaced)
-//!     -> Result<idempotent::Outcome<u64>, idempotent::Error<PayError>>
-//! {
-//!     let key = {
-//!         let mut key = idempotent::__private::KeyBuilder::new("process_order");
-//!         key.text("order:");
-//!         key.field("order_id", &msg.order_id);
-//!         key.text(":");
-//!         key.field("customer.id", &msg.customer.id);
-//!         key.finish()
+//! #[idempotent(key = "order:{order_id}", ttl = "10m", lease = "5s", max_attempts = 3)]
+//! async fn charge(msg: OrderPlaced) -> Result<u64, PayError> {
+//!     let start = {
+//!         let mut starts = STARTS.lock().unwrap();
+//!         let n = starts.entry(msg.order_id).or_default();
+//!         *n += 1;
+//!         *n
 //!     };
-//!     let call = idempotent::__private::Call::new(
-//!         Spec::new(Duration::from_millis(600_000), Duration::from_millis(30_000), 5),
-//!         key,
-//!     );
-//!     let store = &idempotent::__private::DefaultStore;
-//!     idempotent::__private::run(
-//!         call,
-//!         store,
-//!         <PayError as idempotent::Classify>::class,
-//!         idempotent::__private::process_sink,
-//!         async { body },
-//!     )
-//!     .await
+//!     match (msg.order_id, start) {
+//!         (3, 1) => return Err(PayError::DbTimeout), // flaky once, then fine
+//!         (4, 1) => tokio::time::sleep(Duration::from_secs(60)).await, // the consumer dies here
+//!         (6, _) => return Err(PayError::DbTimeout), // down for good
+//!         _ => {}
+//!     }
+//!     if msg.amount_cents > 10_000 {
+//!         return Err(PayError::InsufficientFunds);
+//!     }
+//!     *CHARGES.lock().unwrap().entry(msg.order_id).or_default() += 1;
+//!     Ok(msg.order_id)
 //! }
 //! ```
 //!
+//! becomes (the repository's `macro-tests/tests/expand/quickstart.expanded.rs`, which a
+//! test keeps equal to what the macro writes and to this page):
+//!
+//! ```ignore
+//! async fn charge(
+//!     msg: OrderPlaced,
+//! ) -> ::core::result::Result<::idempotent::Outcome<u64>, ::idempotent::Error<PayError>> {
+//!     #[allow(clippy::needless_borrow)]
+//!     let __idempotent_key = {
+//!         #[allow(unused_imports)]
+//!         use ::idempotent::__private::{DisplayField as _, UncheckedField as _};
+//!         if false {
+//!             let (order_id,) = (&msg.order_id,);
+//!             ::idempotent::__private::check_display(format_args!("order:{0}", order_id));
+//!         }
+//!         let mut __idempotent_key = ::idempotent::__private::KeyBuilder::new("charge");
+//!         __idempotent_key.text("order:");
+//!         (&::idempotent::__private::Shown(&msg.order_id))
+//!             .put(&mut __idempotent_key, "order_id");
+//!         __idempotent_key.finish()
+//!     };
+//!     let __idempotent_call = ::idempotent::__private::Call::new(
+//!         ::idempotent::__private::Spec::new(
+//!             ::core::time::Duration::from_millis(600000u64),
+//!             ::core::time::Duration::from_millis(5000u64),
+//!             3u32,
+//!         ),
+//!         __idempotent_key,
+//!     );
+//!     let __idempotent_store = &::idempotent::__private::DefaultStore;
+//!     ::idempotent::__private::run(
+//!             __idempotent_call,
+//!             __idempotent_store,
+//!             ::idempotent::__private::classifier::<PayError>(),
+//!             ::idempotent::__private::process_sink,
+//!             async {
+//!                 #[allow(
+//!                     unknown_lints,
+//!                     unreachable_code,
+//!                     clippy::diverging_sub_expression,
+//!                     clippy::let_unit_value,
+//!                     clippy::unreachable,
+//!                     clippy::empty_loop,
+//!                     clippy::needless_return
+//!                 )]
+//!                 if false {
+//!                     let __idempotent_fake_return: Result<u64, PayError> = loop {};
+//!                     return __idempotent_fake_return;
+//!                 }
+//!                 let start = {
+//!                     let mut starts = STARTS.lock().unwrap();
+//!                     let n = starts.entry(msg.order_id).or_default();
+//!                     *n += 1;
+//!                     *n
+//!                 };
+//!                 match (msg.order_id, start) {
+//!                     (3, 1) => return Err(PayError::DbTimeout),
+//!                     (4, 1) => tokio::time::sleep(Duration::from_secs(60)).await,
+//!                     (6, _) => return Err(PayError::DbTimeout),
+//!                     _ => {}
+//!                 }
+//!                 if msg.amount_cents > 10_000 {
+//!                     return Err(PayError::InsufficientFunds);
+//!                 }
+//!                 *CHARGES.lock().unwrap().entry(msg.order_id).or_default() += 1;
+//!                 Ok(msg.order_id)
+//!             },
+//!         )
+//!         .await
+//! }
+//! ```
+//!
+//! - The key is built by a `KeyBuilder`, one call per piece of the template. The
+//!   `if false { .. format_args!("order:{0}", order_id) .. }` block never runs: it hands
+//!   the template to `format_args!` so that rustc reports a field without `Display` at
+//!   its placeholder inside the string. (Templates with field paths, `{a.b}`, or JSON
+//!   pointers skip it, and the key's fields are appended with `key.field(..)`.)
+//! - `Call` holds the attribute's settings; the store is the process-wide default here
+//!   (`store = ...` names another).
+//! - `run` claims the key, runs the body (the `async` block: your code, after a
+//!   never-taken `return` typed as the declared return type, which lets rustc infer `?`
+//!   conversions and report type errors against your own code), records the result,
+//!   and answers the `Outcome` or the `Error`.
+//! - With `transactional`, the transaction argument leaves the signature, the body starts
+//!   by borrowing it from a `TxSlot`, and the call is `run_transactional`. On an
+//!   `#[async_trait]` method the same block sits inside the `Box::pin(async move { .. })`
+//!   that `#[async_trait]` wrote.
+//!
 //! Everything else (claim, lease renewal, recording, alerts) is ordinary code in
-//! `idempotent-runtime`. `cargo expand --example quickstart` shows a real expansion;
-//! the repository keeps reviewed snapshots in `macro-tests/tests/expand/`.
+//! `idempotent-runtime`. To see any handler's expansion:
+//! `cargo install --locked cargo-expand`, then `cargo expand --example quickstart charge`
+//! (or `cargo expand path::to::handler` in your crate).
 //!
 //! # Features and Rust versions
 //!
@@ -348,12 +426,17 @@ pub use idempotent_runtime::{consume, publish};
 /// notice, which is why the macro crate is pinned to this exact version.
 #[doc(hidden)]
 pub mod __private {
-    pub use idempotent_runtime::alert::process_sink;
+    pub use idempotent_runtime::alert::{
+        CheckedHook, Hook, UncheckedHook, process_sink, require_hook,
+    };
     pub use idempotent_runtime::execute::{Call, HandlerResult, Spec, run, run_infallible};
+    pub use idempotent_runtime::key_check::{
+        DisplayField, KeyFn, Shown, UncheckedField, check_display,
+    };
     pub use idempotent_runtime::result_alias::{AnyValue, ResultValue, ValueType, require_value};
     #[cfg(any(feature = "postgres", feature = "mysql"))]
     pub use idempotent_runtime::transactional::{TransactionalStore, TxSlot, run_transactional};
     pub use idempotent_runtime::{
-        AsStore, Backoff, DefaultStore, Document, Fingerprint, KeyBuilder,
+        AsStore, Backoff, DefaultStore, Document, Fingerprint, KeyBuilder, classifier,
     };
 }

@@ -116,6 +116,71 @@ async fn trait_impl_methods() {
     assert_eq!(c.handle(order(4)).await.unwrap(), Outcome::Duplicate);
 }
 
+/// Dispatch through a trait object: `dyn` needs `#[async_trait]`, which rewrites the
+/// method before `#[idempotent]` sees it.
+#[idempotent::async_trait]
+trait DynHandler: Send + Sync {
+    async fn handle(&self, msg: &OrderPlaced) -> Result<Outcome<u64>, Error<PayError>>;
+    async fn fire(&self, id: u64, msg: OrderPlaced) -> Result<Outcome<()>, Error<PayError>>;
+}
+
+struct Billing {
+    store: Arc<MemoryStore>,
+    tenant: String,
+    runs: AtomicU32,
+}
+
+#[idempotent::async_trait]
+impl DynHandler for Billing {
+    #[idempotent(key = "{self.tenant}/{order_id}", store = self.store, namespace = "dyn.handle")]
+    async fn handle(&self, msg: &OrderPlaced) -> Result<u64, PayError> {
+        self.runs.fetch_add(1, Ordering::SeqCst);
+        if msg.amount_cents < 0 {
+            return Err(PayError::DbTimeout);
+        }
+        Ok(msg.order_id + u64::from(self.tenant.len() as u8))
+    }
+
+    /// The message is not the first argument, and the result is `()`.
+    #[idempotent(key = "{id}", message = msg, store = &*self.store, namespace = "dyn.fire")]
+    async fn fire(&self, id: u64, msg: OrderPlaced) -> Result<(), PayError> {
+        let _ = (id, msg);
+        self.runs.fetch_add(1, Ordering::SeqCst);
+        Ok(())
+    }
+}
+
+#[tokio::test]
+async fn async_trait_methods_behind_a_trait_object() {
+    let billing = Arc::new(Billing {
+        store: Arc::new(MemoryStore::new()),
+        tenant: "acme".into(),
+        runs: 0.into(),
+    });
+    let handler: Arc<dyn DynHandler> = billing.clone();
+    assert_eq!(handler.handle(&order(7)).await.unwrap(), Outcome::Processed(11));
+    assert_eq!(handler.handle(&order(7)).await.unwrap(), Outcome::Duplicate);
+    let key = idempotent::Key::new("dyn.handle", "acme/7").unwrap();
+    let claim = idempotent::Store::claim(&*billing.store, &key, LEASE, LEASE, None).await.unwrap();
+    assert_eq!(claim, idempotent::Claim::Done, "the key reads `self` and the message");
+
+    // A retryable error releases the key: the next delivery runs again.
+    let failing = OrderPlaced { amount_cents: -1, ..order(8) };
+    let err = handler.handle(&failing).await.unwrap_err();
+    assert!(matches!(err, Error::Retryable { attempt: 1, .. }), "{err:?}");
+    let err = handler.handle(&failing).await.unwrap_err();
+    assert!(matches!(err, Error::Retryable { attempt: 2, .. }), "{err:?}");
+
+    // The futures are `Send`: the trait object's method can be spawned.
+    let spawned = tokio::spawn({
+        let handler = handler.clone();
+        async move { handler.fire(1, order(9)).await }
+    });
+    assert_eq!(spawned.await.unwrap().unwrap(), Outcome::Processed(()));
+    assert_eq!(handler.fire(1, order(10)).await.unwrap(), Outcome::Duplicate);
+    assert_eq!(billing.runs.load(Ordering::SeqCst), 4);
+}
+
 #[idempotent(key = "item:{id}", store = store)]
 async fn generic<T, S>(id: T, store: &S) -> String
 where

@@ -57,6 +57,26 @@ async fn bad_payloads_are_key_errors_that_run_nothing() {
     assert!(from_bytes(br#"{"id": "a b"}"#).await.unwrap().is_processed());
 }
 
+/// RFC 6901: `/` is the member named `""` of the root object; `/a//b` passes one.
+#[idempotent(key = "root:{/}:{/a//b}", store = STORE, namespace = "empty_members")]
+async fn empty_members(msg: &[u8]) {
+    let _ = msg;
+}
+
+#[tokio::test]
+async fn empty_member_names_are_pointers_like_any_other() {
+    let doc = br#"{"": "r", "a": {"": {"b": 7}}}"#;
+    assert!(empty_members(doc).await.unwrap().is_processed());
+    assert_eq!(empty_members(doc).await.unwrap(), Outcome::Duplicate);
+    let other = br#"{"": "r", "a": {"": {"b": 8}}}"#;
+    assert!(empty_members(other).await.unwrap().is_processed(), "`/a//b` is part of the key");
+    let err = empty_members(br#"{"a": {"": {"b": 7}}}"#).await.unwrap_err();
+    assert!(
+        matches!(&err, Error::Key(KeyError::Pointer { pointer: "/", why: Unusable::Missing })),
+        "{err:?}"
+    );
+}
+
 #[idempotent(key = "{/id}", store = STORE, namespace = "every_type")]
 async fn from_string(msg: String) {}
 #[idempotent(key = "{/id}", store = STORE, namespace = "every_type")]

@@ -9,6 +9,39 @@ use syn::{Expr, Ident, Lit, LitBool, LitInt, LitStr, Path};
 const KNOWN: &str = "key, key_fn, ttl, lease, max_attempts, backoff, namespace, store, \
                      message, cache, validate, transactional, on_terminal, classify, crate";
 
+/// The entry of `known` closest to a misspelt `word`, if one is close: an edit distance
+/// of at most a third of the longer word (at least 1), or a prefix of 3 or more letters.
+pub fn similar<'a>(word: &str, known: impl IntoIterator<Item = &'a str>) -> Option<&'a str> {
+    fn distance(a: &str, b: &str) -> usize {
+        let b: Vec<char> = b.chars().collect();
+        let mut row: Vec<usize> = (0..=b.len()).collect();
+        for (i, ca) in a.chars().enumerate() {
+            let mut diagonal = row[0];
+            row[0] = i + 1;
+            for (j, cb) in b.iter().enumerate() {
+                let above = row[j + 1];
+                row[j + 1] = (above + 1).min(row[j] + 1).min(diagonal + usize::from(ca != *cb));
+                diagonal = above;
+            }
+        }
+        row[b.len()]
+    }
+    known
+        .into_iter()
+        .map(|k| (distance(word, k), k))
+        .filter(|(d, k)| {
+            *d <= (word.chars().count().max(k.chars().count()) / 3).max(1)
+                || (word.len() >= 3 && (k.starts_with(word) || word.starts_with(k)))
+        })
+        .min_by_key(|(d, _)| *d)
+        .map(|(_, k)| k)
+}
+
+/// ` (did you mean `x`?)` for [`similar`], or nothing.
+pub fn did_you_mean<'a>(word: &str, known: impl IntoIterator<Item = &'a str>) -> String {
+    similar(word, known).map_or_else(String::new, |k| format!(" (did you mean `{k}`?)"))
+}
+
 /// Collects errors so that all of them are reported, not just the first.
 #[derive(Default)]
 pub struct Errors(Option<syn::Error>);
@@ -244,7 +277,10 @@ impl Args {
                 skip_value(&meta)?;
                 errors.at(
                     name.span(),
-                    format_args!("unknown argument `{name}`; expected one of: {KNOWN}"),
+                    format_args!(
+                        "unknown argument `{name}`{}; expected one of: {KNOWN}",
+                        did_you_mean(&name.to_string(), KNOWN.split(", "))
+                    ),
                 );
             }
         }
@@ -421,7 +457,18 @@ pub fn ungroup(expr: Expr) -> Expr {
 
 #[cfg(test)]
 mod tests {
-    use super::parse_duration;
+    use super::{parse_duration, similar};
+
+    #[test]
+    fn similar_names() {
+        let known = ["ttl", "lease", "retryable", "terminal", "max_attempts"];
+        assert_eq!(similar("tll", known), Some("ttl"));
+        assert_eq!(similar("retry", known), Some("retryable"));
+        assert_eq!(similar("terminl", known), Some("terminal"));
+        assert_eq!(similar("max_attempt", known), Some("max_attempts"));
+        assert_eq!(similar("store", known), None);
+        assert_eq!(similar("x", known), None);
+    }
 
     #[test]
     fn durations() {

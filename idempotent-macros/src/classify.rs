@@ -6,7 +6,7 @@ use quote::quote;
 use syn::spanned::Spanned;
 use syn::{Attribute, Data, DeriveInput, Fields, Path, parse_quote};
 
-use crate::args::Errors;
+use crate::args::{Errors, did_you_mean};
 
 #[derive(Clone)]
 enum Mark {
@@ -77,6 +77,7 @@ fn implement(
 fn expand(input: &DeriveInput) -> syn::Result<TokenStream> {
     let mut errors = Errors::default();
     let top = marks(&input.attrs, true, &mut errors);
+    let top_misread = errors.count() > 0;
     let krate = top.krate.clone().unwrap_or_else(|| parse_quote!(::idempotent));
     let mut bounds: Vec<syn::Type> = Vec::new();
     let mut class = |mark: &Mark, fields: &Fields, span: Span, errors: &mut Errors| match mark {
@@ -114,9 +115,15 @@ fn expand(input: &DeriveInput) -> syn::Result<TokenStream> {
                 .variants
                 .iter()
                 .filter_map(|variant| {
+                    let before = errors.count();
                     let own = marks(&variant.attrs, false, &mut errors);
                     let mark = own.mark.or_else(|| top.mark.clone());
+                    // A mark reported as wrong is the one mistake: no "no class" too.
+                    let misread = top_misread || errors.count() > before;
                     let Some((span, mark)) = mark else {
+                        if misread {
+                            return None;
+                        }
                         errors.at(
                             variant.ident.span(),
                             format_args!(
@@ -147,6 +154,7 @@ fn expand(input: &DeriveInput) -> syn::Result<TokenStream> {
                 let class = class(mark, &data.fields, *span, &mut errors);
                 quote!(let #pat = self; #class)
             }
+            None if top_misread => quote!(::core::unreachable!()),
             None => {
                 errors.at(
                     input.ident.span(),
@@ -185,10 +193,16 @@ fn marks(attrs: &[Attribute], top: bool, errors: &mut Errors) -> Marks {
                 marks.krate = Some(lit.parse()?);
                 return Ok(());
             } else {
+                let word = meta.path.get_ident().map(ToString::to_string).unwrap_or_default();
+                let known = ["retryable", "terminal", "duplicate", "transparent"];
                 errors.at(
                     span,
-                    "unknown mark: expected #[idempotent(retryable)], #[idempotent(terminal)], \
-                     #[idempotent(duplicate)] or #[idempotent(transparent)]",
+                    format_args!(
+                        "unknown mark `{word}`{}: expected #[idempotent(retryable)], \
+                         #[idempotent(terminal)], #[idempotent(duplicate)] or \
+                         #[idempotent(transparent)]",
+                        did_you_mean(&word, known)
+                    ),
                 );
                 return Ok(());
             };

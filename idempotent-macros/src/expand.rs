@@ -9,6 +9,7 @@ use syn::{
 };
 
 use crate::args::{Args, Errors};
+use crate::async_trait::AsyncTraitMethod;
 use crate::template::{self, Segment};
 
 const DEFAULT_TTL_MS: u64 = 24 * 60 * 60 * 1000;
@@ -28,19 +29,70 @@ pub fn idempotent(args: TokenStream, item: TokenStream) -> TokenStream {
     }
     let func: ItemFn = match syn::parse2(item.clone()) {
         Ok(func) => func,
-        Err(_) => {
-            let e = syn::Error::new(
-                Span::call_site(),
-                "#[idempotent] goes on an `async fn` with a body: a free function, an `impl` \
-                 method or a method in a trait impl",
-            );
-            return with_errors(item, e);
-        }
+        Err(_) => return with_errors(item.clone(), not_a_function(item)),
     };
-    match Handler::check(parsed, &func, errors) {
-        Ok(handler) => handler.expand(func),
+    let async_trait = AsyncTraitMethod::detect(&func);
+    let written = async_trait.as_ref().map(|method| method.as_written(&func));
+    match Handler::check(parsed, written.as_ref().unwrap_or(&func), async_trait.is_some(), errors) {
+        Ok(handler) => handler.expand(func, async_trait),
         Err(e) => with_errors(item, e),
     }
+}
+
+/// The error for an item that is not a function with a body, at its first keyword.
+fn not_a_function(item: TokenStream) -> syn::Error {
+    let general = "#[idempotent] goes on an `async fn` with a body: a free function, an `impl` \
+                   method or a method in a trait impl";
+    // A method declared in a trait, without a body (syn reads it as a verbatim item).
+    if let Ok(declared) = syn::parse2::<syn::TraitItemFn>(item.clone()) {
+        if declared.default.is_none() {
+            return syn::Error::new(
+                declared.sig.ident.span(),
+                "#[idempotent] needs the method's body: put it on the method in each `impl` of \
+                 the trait, and declare the trait's method returning \
+                 `Result<idempotent::Outcome<T>, idempotent::Error<E>>`",
+            );
+        }
+    }
+    match syn::parse2::<syn::Item>(item) {
+        Ok(syn::Item::Impl(imp)) => {
+            let async_trait = imp
+                .attrs
+                .iter()
+                .any(|a| a.path().segments.last().is_some_and(|s| s.ident == "async_trait"));
+            let message = if async_trait {
+                "#[idempotent] goes on each handler method inside the impl, not on the impl: \
+                 write it on the `async fn`, below the impl's `#[async_trait]`"
+            } else {
+                "#[idempotent] goes on each handler method inside the impl, not on the impl: \
+                 write it on the `async fn`"
+            };
+            syn::Error::new(imp.impl_token.span, message)
+        }
+        Ok(item) => syn::Error::new(first_keyword(&item), general),
+        Err(_) => syn::Error::new(Span::call_site(), general),
+    }
+}
+
+/// The span of an item's first token after its attributes and visibility.
+fn first_keyword(item: &syn::Item) -> Span {
+    let tokens = quote!(#item).into_iter().collect::<Vec<_>>();
+    let mut i = 0;
+    while i < tokens.len() {
+        match &tokens[i] {
+            proc_macro2::TokenTree::Punct(p) if p.as_char() == '#' => i += 2,
+            proc_macro2::TokenTree::Ident(id) if id == "pub" => {
+                i += 1;
+                if let Some(proc_macro2::TokenTree::Group(g)) = tokens.get(i) {
+                    if g.delimiter() == proc_macro2::Delimiter::Parenthesis {
+                        i += 1;
+                    }
+                }
+            }
+            token => return token.span(),
+        }
+    }
+    Span::call_site()
 }
 
 fn with_errors(item: TokenStream, error: syn::Error) -> TokenStream {
@@ -75,6 +127,9 @@ struct Handler {
     classify: Option<syn::Path>,
     on_terminal: Option<syn::Path>,
     key: Vec<KeyPart>,
+    /// The template, when every placeholder is a plain name: passed to `format_args!`
+    /// so that rustc reports a field without `Display` at its placeholder.
+    format_check: Option<LitStr>,
     /// The message, when `{/json/pointer}` placeholders read its payload.
     document: Option<TokenStream>,
     /// `validate = true`: the fingerprint expression's message, with the argument's span.
@@ -93,7 +148,12 @@ enum KeyPart {
 }
 
 impl Handler {
-    fn check(mut args: Args, func: &ItemFn, mut errors: Errors) -> syn::Result<Handler> {
+    fn check(
+        mut args: Args,
+        func: &ItemFn,
+        async_trait: bool,
+        mut errors: Errors,
+    ) -> syn::Result<Handler> {
         let sig = &func.sig;
         let krate = args.krate.take().unwrap_or_else(|| parse_quote!(::idempotent));
         if sig.asyncness.is_none() {
@@ -108,6 +168,15 @@ impl Handler {
         }
 
         let transaction = transaction_argument(&args, sig, &mut errors);
+        if let (Some(_), true) = (transaction, async_trait) {
+            errors.at(
+                args.transactional.span().unwrap_or_else(Span::call_site),
+                "`transactional` can't be used in an `#[async_trait]` impl: it takes the \
+                 transaction argument out of the signature, which must stay the trait's; make \
+                 the transactional handler an inherent method or a free function and call it \
+                 from the trait method",
+            );
+        }
 
         // Named arguments, in order; `self` and the transaction are never the message.
         let mut has_receiver = false;
@@ -185,6 +254,7 @@ impl Handler {
 
         // Key: a template or a function, not both.
         let mut key = Vec::new();
+        let mut format_check = None;
         let mut document = None;
         let mut needs_message = false;
         match (args.key.take(), args.key_fn.take()) {
@@ -200,6 +270,9 @@ impl Handler {
             (None, None) => {}
             (Some(lit), None) => match template::parse(&lit) {
                 Ok(segments) => {
+                    if segments.iter().all(plain_name) {
+                        format_check = Some(lit.clone());
+                    }
                     for segment in segments {
                         match segment {
                             Segment::Text(text) => key.push(KeyPart::Text(text)),
@@ -228,7 +301,20 @@ impl Handler {
             },
             (None, Some(path)) => match &message {
                 Some(msg) => {
-                    let expr = quote_spanned!(path.span()=> #path(&#msg));
+                    // The message's type, when written, so that a function of another
+                    // shape is reported against it (`fn(&Parcel)`), not against `_`.
+                    let key_fn = respan(quote!(#krate::__private::KeyFn), path.span());
+                    let ty = named.iter().find(|(n, _)| *n == msg).map(|(_, pt)| &*pt.ty);
+                    let expr = match ty.map(ungroup_type) {
+                        Some(Type::Reference(r)) if !mentions_impl_trait(&r.elem) => {
+                            let elem = &r.elem;
+                            quote_spanned!(path.span()=> #key_fn::<#elem>::key(#path, #msg))
+                        }
+                        Some(ty) if !mentions_impl_trait(ty) => {
+                            quote_spanned!(path.span()=> #key_fn::<#ty>::key(#path, &#msg))
+                        }
+                        _ => quote_spanned!(path.span()=> #key_fn::key(#path, &#msg)),
+                    };
                     let label = "key_fn".to_owned();
                     key.push(KeyPart::Field(Access { label, expr }));
                 }
@@ -360,6 +446,7 @@ impl Handler {
             classify: args.classify.take(),
             on_terminal: args.on_terminal.take(),
             key,
+            format_check,
             document,
             validate,
             cache,
@@ -368,16 +455,25 @@ impl Handler {
         })
     }
 
-    fn expand(self, mut func: ItemFn) -> TokenStream {
+    fn expand(self, mut func: ItemFn, async_trait: Option<AsyncTraitMethod>) -> TokenStream {
         let Handler { krate, namespace, ttl_ms, lease_ms, max_attempts, backoff, .. } = &self;
         let private = quote!(#krate::__private);
         let key_var = Ident::new("__idempotent_key", Span::mixed_site());
         let store_var = Ident::new("__idempotent_store", Span::mixed_site());
 
         let payload_var = Ident::new("__idempotent_payload", Span::mixed_site());
+        let checked = self.format_check.is_some();
         let parts = self.key.iter().map(|part| match part {
             KeyPart::Text(text) => quote!(#key_var.text(#text);),
+            KeyPart::Field(Access { label, expr }) if checked => {
+                let shown = respan(quote!(#private::Shown), expr.span());
+                quote_spanned!(expr.span()=> (&#shown(&#expr)).put(&mut #key_var, #label);)
+            }
             KeyPart::Field(Access { label, expr }) => {
+                // The whole call at the template, where rustc then reports a value
+                // without `Display`.
+                let key_var =
+                    Ident::new("__idempotent_key", key_var.span().located_at(expr.span()));
                 quote_spanned!(expr.span()=> #key_var.field(#label, &#expr);)
             }
             KeyPart::Pointer(pointer) => quote!(#key_var.pointer(#pointer, &#payload_var);),
@@ -388,8 +484,32 @@ impl Handler {
             let parse = quote_spanned!(msg.span()=> #private::Document::of(#msg));
             quote!(let #payload_var = #parse;)
         });
+        let check = self.format_check.as_ref().map(|lit| {
+            let mut names = Vec::new();
+            let mut values = Vec::new();
+            for part in &self.key {
+                if let KeyPart::Field(Access { label, expr }) = part {
+                    if !names.iter().any(|n: &Ident| n == label) {
+                        names.push(Ident::new(label, lit.span()));
+                        values.push(expr);
+                    }
+                }
+            }
+            quote! {
+                #[allow(unused_imports)]
+                use #private::{DisplayField as _, UncheckedField as _};
+                if false {
+                    let (#(#names,)*) = (#(&#values,)*);
+                    #private::check_display(::core::format_args!(#lit));
+                }
+            }
+        });
+        // `(&Shown(&value)).put(..)`: the borrow picks the method, whatever clippy thinks.
+        let allow = checked.then(|| quote!(#[allow(clippy::needless_borrow)]));
         let build_key = quote! {
+            #allow
             let #key_var = {
+                #check
                 #document
                 let mut #key_var = #private::KeyBuilder::new(#namespace);
                 #(#parts)*
@@ -479,16 +599,35 @@ impl Handler {
             }
             None => (None, quote!()),
         };
-        let body = body_block(&func, lend);
+        let body = match &async_trait {
+            Some(method) => method.body(),
+            None => body_block(&func, lend),
+        };
         let (output, call) = match &self.returns {
             Returns::Fallible { ok, err } => {
+                // `E: Classify` asked once, at the error type, by a function whose
+                // answer (a `fn` pointer) `run`'s bounds then take without asking again;
+                // a hook of the wrong shape is likewise one error, at its path.
                 let classify = match &self.classify {
                     Some(path) => quote!(#path),
-                    None => quote_spanned!(err.span()=> <#err as #krate::Classify>::class),
+                    None => {
+                        let classifier = respan(quote!(#private::classifier), err.span());
+                        quote_spanned!(err.span()=> #classifier::<#err>())
+                    }
                 };
-                let on_terminal = match &self.on_terminal {
-                    Some(path) => quote!(#path),
-                    None => quote!(#private::process_sink),
+                let (require_hook, on_terminal) = match &self.on_terminal {
+                    Some(path) => {
+                        let private = respan(private.clone(), path.span());
+                        (
+                            quote_spanned!(path.span()=> #private::require_hook(&#path);),
+                            quote_spanned!(path.span()=> {
+                                #[allow(unused_imports)]
+                                use #private::{CheckedHook as _, UncheckedHook as _};
+                                #private::Hook(#path).hook()
+                            }),
+                        )
+                    }
+                    None => (quote!(), quote!(#private::process_sink)),
                 };
                 let call = match self.transaction {
                     Some(_) => quote! {
@@ -500,12 +639,17 @@ impl Handler {
                         #private::run(#call_var, #store_var, #classify, #on_terminal, #body).await
                     },
                 };
+                let call = quote!(#require_hook #call);
                 (quote!(::core::result::Result<#krate::Outcome<#ok>, #krate::Error<#err>>), call)
             }
             Returns::Infallible { ok } => {
                 // A `Result` under another name would have its `Err` recorded as a
                 // success: refuse it, at the return type.
-                let check = match &func.sig.output {
+                let declared = match &async_trait {
+                    Some(method) => method.declared_output(),
+                    None => func.sig.output.clone(),
+                };
+                let check = match &declared {
                     ReturnType::Type(_, ty) if !mentions_impl_trait(ty) => {
                         quote_spanned! {ty.span()=>
                             #private::require_value({
@@ -524,7 +668,6 @@ impl Handler {
             }
         };
 
-        func.sig.output = parse_quote!(-> #output);
         let new_body = quote!({
             #slot
             #build_key
@@ -532,7 +675,13 @@ impl Handler {
             #store
             #call
         });
-        *func.block = parse_quote!(#new_body);
+        match async_trait {
+            Some(_) => AsyncTraitMethod::finish(&mut func, parse_quote!(#output), new_body),
+            None => {
+                func.sig.output = parse_quote!(-> #output);
+                *func.block = parse_quote!(#new_body);
+            }
+        }
         quote!(#func)
     }
 }
@@ -701,12 +850,13 @@ fn resolve(
                         format_args!("`{p}` in `{{{label}}}` is not a field name"),
                     )
                 })?;
-                // Located at the template, but marked as generated: rustc then points
-                // at the template without suggesting to replace the whole literal.
-                let generated = Span::mixed_site().located_at(span);
+                // The template's own span: for a field that doesn't exist, rustc then
+                // names the one with a similar name, or lists the fields there are. (Its
+                // suggestion replaces the whole literal: stable Rust gives a macro no
+                // span inside a string.)
                 match &mut member {
-                    syn::Member::Named(ident) => ident.set_span(generated),
-                    syn::Member::Unnamed(index) => index.span = generated,
+                    syn::Member::Named(ident) => ident.set_span(span),
+                    syn::Member::Unnamed(index) => index.span = span,
                 }
                 Ok(member)
             })
@@ -737,6 +887,19 @@ fn resolve(
     let members = members(rest)?;
     let expr = quote!(#base #(.#members)*);
     Ok(Some(Access { label, expr }))
+}
+
+/// Whether `format_args!` reads the segment as the template does: text, or a
+/// placeholder that is one name (not `self`, a tuple index or a JSON pointer).
+fn plain_name(segment: &Segment) -> bool {
+    match segment {
+        Segment::Text(_) => true,
+        Segment::Placeholder(parts) => match parts.as_slice() {
+            [name] => name != "self" && syn::parse_str::<Ident>(name).is_ok(),
+            _ => false,
+        },
+        Segment::Pointer(_) => false,
+    }
 }
 
 /// `tokens` with every span set to `span`, so rustc reports errors in them there.

@@ -4,12 +4,13 @@
 //! generates a call into `idempotent::__private`.
 //!
 //! Layout: `args.rs` collects the attribute's arguments, `template.rs` parses key
-//! templates, `expand.rs` checks the whole and writes the function, `classify.rs`
+//! templates, `async_trait.rs` recognises methods `#[async_trait]` has rewritten, `expand.rs` checks the whole and writes the function, `classify.rs`
 //! derives `Classify`.
 
 #![deny(missing_docs)]
 
 mod args;
+mod async_trait;
 mod classify;
 mod expand;
 mod template;

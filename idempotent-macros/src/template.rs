@@ -132,6 +132,13 @@ fn placeholder(inner: &str) -> Result<Vec<String>, String> {
                     e.g. `{order_id}`, or another argument, e.g. `{tenant}`"
             .to_owned());
     }
+    if let Some((path, spec)) = inner.split_once(':') {
+        return Err(format!(
+            "`{{{inner}}}`: key templates take no format spec (`:{spec}`): a field's `Display` \
+             is its part of the key; write `{{{path}}}`, and give the field's type a `Display` \
+             (or use `key_fn`) if it has none"
+        ));
+    }
     let parts: Vec<String> = inner.split('.').map(str::to_owned).collect();
     let valid = |p: &String| {
         let ident = p.chars().next().is_some_and(|c| c == '_' || c.is_alphabetic())
@@ -148,7 +155,9 @@ fn placeholder(inner: &str) -> Result<Vec<String>, String> {
     Ok(parts)
 }
 
-/// Checks an RFC 6901 pointer: `~` only as `~0` (for `~`) or `~1` (for `/`).
+/// Checks an RFC 6901 pointer: `~` only as `~0` (for `~`) or `~1` (for `/`). Empty
+/// members are valid: `{/}` is the member named `""` of the root object, and `{/a//b}`
+/// passes through one (the runtime resolves them as `serde_json::Value::pointer` does).
 fn pointer(inner: &str) -> Result<String, String> {
     let mut chars = inner.chars();
     while let Some(c) = chars.next() {
@@ -158,12 +167,6 @@ fn pointer(inner: &str) -> Result<String, String> {
                  literal `~`) or `1` (for a literal `/`)"
             ));
         }
-    }
-    if inner.contains("//") || inner.ends_with('/') {
-        return Err(format!(
-            "`{{{inner}}}` names an empty JSON member: write `{{/order/id}}`, one `/` before \
-             each member"
-        ));
     }
     Ok(inner.to_owned())
 }
@@ -204,6 +207,11 @@ mod tests {
                 Segment::Pointer("/a~1b/~0c".into()),
             ]
         );
+        // RFC 6901: `/` is the member `""` of the root; members may be empty anywhere.
+        for pointer in ["/", "/a//b", "/a/", "//"] {
+            let template = format!("k:{{{pointer}}}");
+            assert_eq!(segments(&template).unwrap()[1], Segment::Pointer(pointer.into()));
+        }
     }
 
     #[test]
@@ -214,10 +222,10 @@ mod tests {
         assert!(segments("a{b").unwrap_err().contains("unclosed"));
         assert!(segments("a}b{c}").unwrap_err().contains("unmatched"));
         assert!(segments("{/a~2b}").unwrap_err().contains("not a valid JSON pointer"));
-        assert!(segments("{/a//b}").unwrap_err().contains("empty JSON member"));
         assert!(segments("{ a }").unwrap_err().contains("not a field path"));
         assert!(segments("{a..b}").unwrap_err().contains("not a field path"));
         assert!(segments("{a-b}").unwrap_err().contains("not a field path"));
+        assert!(segments("{id:?}").unwrap_err().contains("no format spec (`:?`)"));
     }
 
     #[test]

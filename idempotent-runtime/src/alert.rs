@@ -66,6 +66,69 @@ pub fn set_alert_sink(sink: impl AlertSink) -> Result<(), AlreadySet> {
     SINK.set(Box::new(sink)).map_err(|_| AlreadySet)
 }
 
+/// An `on_terminal` hook: an `async fn(TerminalEvent)`, or a closure returning a
+/// future of `()`. Asked as this one bound, so that a hook of another shape is one
+/// error, at the hook's path.
+#[diagnostic::on_unimplemented(
+    message = "`on_terminal = ..` must name an `async fn(TerminalEvent)`: `{Self}` isn't one",
+    label = "not an `async fn(idempotent::TerminalEvent)`",
+    note = "write the hook as `async fn alert(event: idempotent::TerminalEvent) {{ .. }}`; it runs when a message is dead-lettered"
+)]
+pub trait TerminalHook {
+    /// The hook's future.
+    type Sent: Future<Output = ()>;
+    /// Calls the hook.
+    fn send(self, event: TerminalEvent) -> Self::Sent;
+}
+
+#[diagnostic::do_not_recommend]
+impl<H, F> TerminalHook for H
+where
+    H: FnOnce(TerminalEvent) -> F,
+    F: Future<Output = ()>,
+{
+    type Sent = F;
+    fn send(self, event: TerminalEvent) -> F {
+        self(event)
+    }
+}
+
+/// `on_terminal = path` in the expansion: `require_hook(&path)` asks for a
+/// [`TerminalHook`] once, at the path, and `Hook(path).hook()` hands `run` the hook
+/// itself ([`CheckedHook`]) or, when it is none, one auto-reference further, a hook
+/// that always is one ([`UncheckedHook`]), so that `run`'s own bound reports nothing
+/// more. The second is never part of a program that compiles; should it ever run, it
+/// sends to the process-wide sink.
+#[doc(hidden)]
+pub struct Hook<H>(pub H);
+
+#[doc(hidden)]
+pub trait CheckedHook {
+    type Hook: TerminalHook;
+    fn hook(self) -> Self::Hook;
+}
+
+impl<H: TerminalHook> CheckedHook for Hook<H> {
+    type Hook = H;
+    fn hook(self) -> H {
+        self.0
+    }
+}
+
+#[doc(hidden)]
+pub trait UncheckedHook {
+    fn hook(self) -> fn(TerminalEvent) -> std::pin::Pin<Box<dyn Future<Output = ()> + Send>>;
+}
+
+impl<H> UncheckedHook for &Hook<H> {
+    fn hook(self) -> fn(TerminalEvent) -> std::pin::Pin<Box<dyn Future<Output = ()> + Send>> {
+        |event| Box::pin(process_sink(event))
+    }
+}
+
+#[doc(hidden)]
+pub fn require_hook<H: TerminalHook>(_: &H) {}
+
 /// Sends `event` to the process-wide sink: the default `on_terminal` hook.
 pub async fn process_sink(event: TerminalEvent) {
     match SINK.get() {

@@ -114,6 +114,14 @@ terminal!(
     std::char::ParseCharError,
 );
 
+/// `E`'s [`Classify::class`] as a function pointer: what the expansion passes to `run`
+/// for a handler without `classify = ..`. Asking `E: Classify` here, at the error type's
+/// span, makes a missing implementation one error there.
+#[doc(hidden)]
+pub fn classifier<E: Classify>() -> fn(&E) -> ErrorClass {
+    E::class
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use futures_util::FutureExt as _;
 
-use crate::alert::TerminalEvent;
+use crate::alert::{TerminalEvent, TerminalHook};
 use crate::current::Current;
 use crate::metrics::{CallMeter, Operation};
 use crate::{
@@ -126,14 +126,23 @@ impl<C> Call<C> {
 
     /// Stores the handler's `Ok` value, a `T`, as JSON and returns it to duplicates
     /// as [`Outcome::Replayed`] (`cache = true`).
-    pub fn cached<T>(self) -> Call<JsonCache<T>>
-    where
-        T: serde::Serialize + serde::de::DeserializeOwned,
-    {
+    pub fn cached<T: Cacheable>(self) -> Call<JsonCache<T>> {
         let Call { spec, key, fingerprint, .. } = self;
         Call { spec, key, fingerprint, cache: JsonCache::new() }
     }
 }
+
+/// A value `cache = true` can keep: `Serialize` and `Deserialize`, asked as one bound
+/// so that a value with neither is one error, saying both.
+#[diagnostic::on_unimplemented(
+    message = "`cache` keeps the handler's value as JSON, so `{Self}` must implement `serde::Serialize` and `serde::Deserialize`",
+    label = "the handler's value must be `Serialize` and `Deserialize`",
+    note = "derive both on the value's type: `#[derive(serde::Serialize, serde::Deserialize)]`, or drop `cache`"
+)]
+pub trait Cacheable: serde::Serialize + serde::de::DeserializeOwned {}
+
+#[diagnostic::do_not_recommend]
+impl<T: serde::Serialize + serde::de::DeserializeOwned> Cacheable for T {}
 
 /// How a handler's `Ok` value is kept for duplicates.
 pub trait ResultCache<T> {
@@ -237,7 +246,7 @@ fn decode_json<T: serde::de::DeserializeOwned>(bytes: &[u8]) -> Result<T, String
 /// assert_eq!(handle().await.unwrap(), Outcome::Duplicate);
 /// # }
 /// ```
-pub async fn run<S, R, T, E, C, H, HF, F>(
+pub async fn run<S, R, T, E, C, H, F>(
     call: Call<R>,
     store: &S,
     classify: C,
@@ -249,15 +258,14 @@ where
     R: ResultCache<T>,
     E: Display,
     C: FnOnce(&E) -> ErrorClass,
-    H: FnOnce(TerminalEvent) -> HF,
-    HF: Future<Output = ()>,
+    H: TerminalHook,
     F: Future<Output = Result<T, E>>,
 {
     run_observed(call, store, StoreCompletion, classify, on_terminal, body).await
 }
 
 /// [`run_with`], in the call's span and with its metrics.
-pub(crate) async fn run_observed<S, U, R, T, E, C, H, HF, F>(
+pub(crate) async fn run_observed<S, U, R, T, E, C, H, F>(
     call: Call<R>,
     store: &S,
     completion: U,
@@ -271,8 +279,7 @@ where
     R: ResultCache<T>,
     E: Display,
     C: FnOnce(&E) -> ErrorClass,
-    H: FnOnce(TerminalEvent) -> HF,
-    HF: Future<Output = ()>,
+    H: TerminalHook,
     F: Future<Output = Result<T, E>>,
 {
     let span = call.span();
@@ -421,7 +428,7 @@ impl<S: Store + ?Sized> Completion<S> for StoreCompletion {
 
 /// [`run`], with `completion` deciding how the result is recorded.
 #[allow(clippy::too_many_arguments)]
-async fn run_with<S, U, R, T, E, C, H, HF, F>(
+async fn run_with<S, U, R, T, E, C, H, F>(
     span: &tracing::Span,
     meter: &CallMeter,
     call: Call<R>,
@@ -437,8 +444,7 @@ where
     R: ResultCache<T>,
     E: Display,
     C: FnOnce(&E) -> ErrorClass,
-    H: FnOnce(TerminalEvent) -> HF,
-    HF: Future<Output = ()>,
+    H: TerminalHook,
     F: Future<Output = Result<T, E>>,
 {
     let Call { spec, key, fingerprint, cache } = call;
@@ -845,12 +851,11 @@ impl<S: Store + ?Sized> HeldClaim<'_, S> {
 
 /// Sends a terminal alert. The record is already FAILED, so a panicking hook is
 /// logged rather than allowed to unwind through the caller.
-async fn alert<H, HF>(on_terminal: H, event: TerminalEvent, key: &Key)
+async fn alert<H>(on_terminal: H, event: TerminalEvent, key: &Key)
 where
-    H: FnOnce(TerminalEvent) -> HF,
-    HF: Future<Output = ()>,
+    H: TerminalHook,
 {
-    let sent = AssertUnwindSafe(async move { on_terminal(event).await }).catch_unwind();
+    let sent = AssertUnwindSafe(async move { on_terminal.send(event).await }).catch_unwind();
     match within(tokio::time::Instant::now() + crate::alert::HOOK_TIMEOUT, sent).await {
         Some(Ok(())) => {}
         Some(Err(_)) => {

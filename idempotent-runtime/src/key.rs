@@ -263,6 +263,11 @@ impl KeyBuilder {
         }
     }
 
+    /// Fails the key with `error`, unless it failed already.
+    pub(crate) fn fail(&mut self, error: KeyError) {
+        self.error.get_or_insert(error);
+    }
+
     /// Records the value written since `start` as the open one.
     fn opened(&mut self, placeholder: &'static str, start: usize) {
         if self.buf.len() == start && self.error.is_none() {

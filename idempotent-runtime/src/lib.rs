@@ -45,6 +45,8 @@ pub mod execute;
 pub mod guard;
 mod json_number;
 mod key;
+#[doc(hidden)]
+pub mod key_check;
 mod lossy_json;
 pub mod metrics;
 mod outcome;
@@ -80,6 +82,8 @@ pub mod transactional;
 
 pub use alert::{AlertSink, TerminalEvent, set_alert_sink};
 pub use backoff::Backoff;
+#[doc(hidden)]
+pub use classify::classifier;
 pub use classify::{Classify, ErrorClass};
 pub use current::{Current, current};
 pub use error::{Error, KeyError, StoreError};

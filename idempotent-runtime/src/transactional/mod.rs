@@ -27,7 +27,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 
 use sqlx::{Database, SqlSafeStr, Transaction};
 
-use crate::alert::TerminalEvent;
+use crate::alert::TerminalHook;
 use crate::execute::{Call, Completed, Discarded, ResultCache, Spec};
 use crate::{Error, ErrorClass, Outcome, Store, StoreError, Transition};
 
@@ -93,7 +93,7 @@ pub enum TransactionalClaim {
 ///   recorded FAILED;
 /// * if the call is dropped mid-way, the transaction is dropped (rolled back) and the
 ///   key given back.
-pub async fn run_transactional<S, R, T, E, C, H, HF, F>(
+pub async fn run_transactional<S, R, T, E, C, H, F>(
     call: Call<R>,
     store: &S,
     slot: &TxSlot<S::Database>,
@@ -106,8 +106,7 @@ where
     R: ResultCache<T>,
     E: std::fmt::Display,
     C: FnOnce(&E) -> ErrorClass,
-    H: FnOnce(TerminalEvent) -> HF,
-    HF: Future<Output = ()>,
+    H: TerminalHook,
     F: Future<Output = Result<T, E>>,
 {
     store.run_transactional(call, slot, classify, on_terminal, body).await
@@ -123,7 +122,7 @@ pub trait Transactional: Store + sealed::Sealed {
     /// [`run_transactional`] for this store.
     #[doc(hidden)]
     #[allow(async_fn_in_trait)]
-    async fn run_transactional<R, T, E, C, H, HF, F>(
+    async fn run_transactional<R, T, E, C, H, F>(
         &self,
         call: Call<R>,
         slot: &TxSlot<Self::Database>,
@@ -135,8 +134,7 @@ pub trait Transactional: Store + sealed::Sealed {
         R: ResultCache<T>,
         E: std::fmt::Display,
         C: FnOnce(&E) -> ErrorClass,
-        H: FnOnce(TerminalEvent) -> HF,
-        HF: Future<Output = ()>,
+        H: TerminalHook,
         F: Future<Output = Result<T, E>>;
 }
 

@@ -10,7 +10,7 @@ use super::{
     Transactional, TransactionalClaim, TxSlot, begin_within, commit_if_recorded,
     count_rolled_back_attempt, retake, rollback,
 };
-use crate::alert::TerminalEvent;
+use crate::alert::TerminalHook;
 use crate::execute::{Call, Completed, Completion, Discarded, ResultCache, Spec, run_observed};
 use crate::metrics::CallMeter;
 use crate::{
@@ -21,7 +21,7 @@ use crate::{
 impl Transactional for MysqlStore {
     type Database = MySql;
 
-    async fn run_transactional<R, T, E, C, H, HF, F>(
+    async fn run_transactional<R, T, E, C, H, F>(
         &self,
         call: Call<R>,
         slot: &TxSlot<MySql>,
@@ -33,8 +33,7 @@ impl Transactional for MysqlStore {
         R: ResultCache<T>,
         E: Display,
         C: FnOnce(&E) -> ErrorClass,
-        H: FnOnce(TerminalEvent) -> HF,
-        HF: Future<Output = ()>,
+        H: TerminalHook,
         F: Future<Output = Result<T, E>>,
     {
         let completion = InTransaction {

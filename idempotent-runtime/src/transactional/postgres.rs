@@ -10,7 +10,7 @@ use super::{
     Transactional, TxSlot, begin_within, commit_if_recorded, count_rolled_back_attempt, retake,
     rollback,
 };
-use crate::alert::TerminalEvent;
+use crate::alert::TerminalHook;
 use crate::execute::{Call, Completed, Completion, Discarded, ResultCache, Spec, run_observed};
 use crate::metrics::CallMeter;
 use crate::store::postgres::{ClaimCommit, TransactionalClaim};
@@ -22,7 +22,7 @@ use crate::{
 impl Transactional for PostgresStore {
     type Database = Postgres;
 
-    async fn run_transactional<R, T, E, C, H, HF, F>(
+    async fn run_transactional<R, T, E, C, H, F>(
         &self,
         call: Call<R>,
         slot: &TxSlot<Postgres>,
@@ -34,8 +34,7 @@ impl Transactional for PostgresStore {
         R: ResultCache<T>,
         E: Display,
         C: FnOnce(&E) -> ErrorClass,
-        H: FnOnce(TerminalEvent) -> HF,
-        HF: Future<Output = ()>,
+        H: TerminalHook,
         F: Future<Output = Result<T, E>>,
     {
         let completion = InTransaction {

@@ -52,7 +52,7 @@ async fn process_order(
     ::idempotent::__private::run(
             __idempotent_call,
             __idempotent_store,
-            <PayError as ::idempotent::Classify>::class,
+            ::idempotent::__private::classifier::<PayError>(),
             ::idempotent::__private::process_sink,
             async {
                 #[allow(

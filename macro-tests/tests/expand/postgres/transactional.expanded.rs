@@ -12,10 +12,17 @@ async fn debit(
     ::idempotent::Error<sqlx::Error>,
 > {
     let __idempotent_tx = ::idempotent::__private::TxSlot::new();
+    #[allow(clippy::needless_borrow)]
     let __idempotent_key = {
+        #[allow(unused_imports)]
+        use ::idempotent::__private::{DisplayField as _, UncheckedField as _};
+        if false {
+            let (id,) = (&msg.id,);
+            ::idempotent::__private::check_display(format_args!("debit:{0}", id));
+        }
         let mut __idempotent_key = ::idempotent::__private::KeyBuilder::new("debit");
         __idempotent_key.text("debit:");
-        __idempotent_key.field("id", &msg.id);
+        (&::idempotent::__private::Shown(&msg.id)).put(&mut __idempotent_key, "id");
         __idempotent_key.finish()
     };
     let __idempotent_call = ::idempotent::__private::Call::new(
@@ -34,7 +41,7 @@ async fn debit(
             __idempotent_call,
             __idempotent_store,
             &__idempotent_tx,
-            <sqlx::Error as ::idempotent::Classify>::class,
+            ::idempotent::__private::classifier::<sqlx::Error>(),
             ::idempotent::__private::process_sink,
             async {
                 let mut __idempotent_lent = __idempotent_tx.lend();
