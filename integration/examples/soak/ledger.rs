@@ -170,10 +170,20 @@ pub fn account(
             .windows(2)
             .map(|pair| {
                 let (first, next) = (pair[0], pair[1]);
+                // A report belongs to the call that applied `first`: by its consumer,
+                // after it, and before that consumer's own next effect of the message
+                // (a later report is about a later call).
+                let own_next = (effects.iter())
+                    .filter(|e| e.pid == first.pid && e.at_ns > first.at_ns)
+                    .map(|e| e.at_ns)
+                    .min()
+                    .unwrap_or(u64::MAX);
                 let reported = |kind: &str| {
                     events_by_id.get(&id).and_then(|events| {
                         events.iter().find(|e| {
-                            e.pid == first.pid && e.at_ns >= first.at_ns && e.kind == kind
+                            e.pid == first.pid
+                                && (first.at_ns..own_next).contains(&e.at_ns)
+                                && e.kind == kind
                         })
                     })
                 };
@@ -240,4 +250,50 @@ pub fn table_row(
         accounting.doubles.len(),
         accounting.p99_ms,
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn effect(id: u64, pid: u32, at_ns: u64) -> Effect {
+        Effect { id, pid, at_ns }
+    }
+
+    fn event(id: u64, pid: u32, at_ns: u64, kind: &str) -> Event {
+        Event { id, pid, at_ns, kind: kind.to_owned() }
+    }
+
+    #[test]
+    fn a_repeat_after_a_recorded_done_is_unexplained() {
+        let effects = [effect(0, 7, 10), effect(0, 8, 30)];
+        let events = [event(0, 7, 12, "done")];
+        let accounting = account(&[0], &effects, &events, &[]);
+        assert!(!accounting.doubles[0].explained());
+    }
+
+    #[test]
+    fn a_repeat_after_done_failed_is_explained_even_by_the_same_consumer() {
+        // The consumer could not write DONE, got the message again and applied it
+        // again, this time recording DONE: that later `done` belongs to its second call.
+        let effects = [effect(0, 7, 10), effect(0, 7, 30)];
+        let events = [event(0, 7, 12, "done_unrecorded"), event(0, 7, 31, "done")];
+        let accounting = account(&[0], &effects, &events, &[]);
+        assert!(accounting.doubles[0].explained(), "{:?}", accounting.doubles);
+
+        // Another consumer repeating it: the same.
+        let effects = [effect(0, 7, 10), effect(0, 8, 30)];
+        let events = [event(0, 7, 12, "done_unrecorded"), event(0, 8, 31, "done")];
+        assert!(account(&[0], &effects, &events, &[]).doubles[0].explained());
+    }
+
+    #[test]
+    fn a_report_of_a_later_call_explains_nothing_earlier() {
+        // The second call's `done_unrecorded` does not excuse the first call's repeat.
+        let effects = [effect(0, 7, 10), effect(0, 7, 30), effect(0, 8, 50)];
+        let events = [event(0, 7, 31, "done_unrecorded")];
+        let accounting = account(&[0], &effects, &events, &[]);
+        let reasons = &accounting.doubles[0].reasons;
+        assert!(reasons[0].is_none() && reasons[1].is_some(), "{reasons:?}");
+    }
 }
