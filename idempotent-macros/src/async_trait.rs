@@ -11,7 +11,7 @@ use proc_macro2::TokenStream;
 use quote::quote_spanned;
 use syn::spanned::Spanned;
 use syn::{
-    Block, Expr, ExprAsync, GenericArgument, ItemFn, PathArguments, ReturnType, Stmt, Type,
+    Expr, ExprAsync, GenericArgument, ItemFn, PathArguments, ReturnType, Stmt, Type,
     TypeParamBound, parse_quote,
 };
 
@@ -54,8 +54,7 @@ impl AsyncTraitMethod {
         let mut written = func.clone();
         written.sig.asyncness = Some(syn::Token![async](func.sig.fn_token.span));
         written.sig.output = self.declared_output();
-        written.block = Box::new(Block { brace_token: Default::default(), stmts: Vec::new() });
-        written.block.stmts.clone_from(&self.inner.block.stmts);
+        written.block = Box::new(self.inner.block.clone());
         written
     }
 
