@@ -4,6 +4,7 @@
 use std::fmt::Display;
 use std::future::Future;
 use std::panic::{AssertUnwindSafe, catch_unwind};
+use std::task::Poll;
 use std::time::Duration;
 
 use futures_util::FutureExt as _;
@@ -879,6 +880,11 @@ fn renewal_period(lease: Duration) -> Duration {
 /// Polls `body` to completion while renewing the claim's lease every third of it.
 /// When a renewal finds the claim taken, the body is dropped at its next await, as a
 /// crash would stop it, rather than left to run beside the key's new owner.
+///
+/// The body is polled only while the lease the last applied renewal granted lasts.
+/// A call left unpolled past it (its task starved, its process stopped, its future
+/// parked by the caller) may have lost the key to a redelivery meanwhile: it waits
+/// for the renewal that was due, and goes on only if that renewal is applied.
 async fn with_renewal<S, F>(
     claim: &HeldClaim<'_, S>,
     first: tokio::time::Instant,
@@ -899,25 +905,26 @@ where
     let lease = claim.spec.lease;
     let period = renewal_period(lease);
     let pause = (lease / 30).max(std::time::Duration::from_millis(1));
+    // Until when the claim is known to be this call's. (Shared by the two futures
+    // below, which only this task polls; atomic because the call's future is `Send`.)
+    let held_until = HeldUntil::new(claim.claimed_at, lease);
     let renew = async {
-        // Polled only once the body waits (the `select!` below polls the body first).
         let Ok(timer) = catch_unwind(|| tokio::time::sleep_until(first)) else {
             TIMER_SEEN.set(false);
             return Stopped::NoTimer;
         };
-        let mut held_until = claim.claimed_at + lease;
         let mut next;
         tokio::pin!(timer);
         loop {
             timer.as_mut().await;
             let sent = tokio::time::Instant::now();
-            let left = held_until.saturating_duration_since(sent);
+            let left = held_until.get().saturating_duration_since(sent);
             let budget = if left.is_zero() { period } else { left.min(period).max(pause) };
             let renewal =
                 claim.store.renew(claim.key, claim.token, claim.spec.lease, claim.spec.ttl);
             match tokio::time::timeout(budget, renewal).await {
                 Ok(Ok(Transition::Applied)) => {
-                    held_until = sent + lease;
+                    held_until.set(sent + lease);
                     next = sent + period;
                 }
                 Ok(Ok(Transition::LeaseLost)) => {
@@ -942,10 +949,53 @@ where
             timer.as_mut().reset(next);
         }
     };
-    tokio::select! {
-        biased;
-        out = body => Ok(out),
-        stopped = renew => Err(stopped),
+    tokio::pin!(body, renew);
+    std::future::poll_fn(|cx| {
+        // While the lease holds, the body first (the renewal's timer is made once it
+        // waits). Once it has run out, the renewal first, and the body only when one
+        // is applied.
+        let lapsed = tokio::time::Instant::now() >= held_until.get();
+        if lapsed {
+            if let Poll::Ready(stopped) = renew.as_mut().poll(cx) {
+                return Poll::Ready(Err(stopped));
+            }
+            if tokio::time::Instant::now() >= held_until.get() {
+                return Poll::Pending;
+            }
+        }
+        if let Poll::Ready(out) = body.as_mut().poll(cx) {
+            return Poll::Ready(Ok(out));
+        }
+        match lapsed {
+            true => Poll::Pending,
+            false => renew.as_mut().poll(cx).map(Err),
+        }
+    })
+    .await
+}
+
+/// An instant after the claim, as nanoseconds since it.
+struct HeldUntil {
+    claimed_at: tokio::time::Instant,
+    nanos: std::sync::atomic::AtomicU64,
+}
+
+impl HeldUntil {
+    fn new(claimed_at: tokio::time::Instant, lease: Duration) -> HeldUntil {
+        let held = HeldUntil { claimed_at, nanos: 0.into() };
+        held.set(claimed_at + lease);
+        held
+    }
+
+    fn get(&self) -> tokio::time::Instant {
+        let nanos = self.nanos.load(std::sync::atomic::Ordering::Relaxed);
+        self.claimed_at + Duration::from_nanos(nanos)
+    }
+
+    fn set(&self, until: tokio::time::Instant) {
+        let nanos = until.saturating_duration_since(self.claimed_at).as_nanos();
+        let nanos = u64::try_from(nanos).unwrap_or(u64::MAX);
+        self.nanos.store(nanos, std::sync::atomic::Ordering::Relaxed);
     }
 }
 
