@@ -192,7 +192,9 @@
 //! whose lease ran out can never complete, release or fail the claim of the consumer
 //! that took over (it gets [`Error::LeaseLost`], sends no alert, and, when a renewal
 //! finds the claim taken while the body runs, the body is stopped at its next await
-//! as a crash would stop it, rather than left to run beside the new owner's).
+//! as a crash would stop it, rather than left to run beside the new owner's). A call
+//! left unpolled for longer than its lease (a starved task, a stopped process) goes
+//! on only once the renewal that was due says the claim is still its own.
 //!
 //! # Seeing what it does
 //!
@@ -435,7 +437,11 @@ pub mod __private {
     };
     pub use idempotent_runtime::result_alias::{AnyValue, ResultValue, ValueType, require_value};
     #[cfg(any(feature = "postgres", feature = "mysql"))]
-    pub use idempotent_runtime::transactional::{TransactionalStore, TxSlot, run_transactional};
+    pub use idempotent_runtime::transactional::check::{
+        CheckedTxStore, TxStore, UncheckedTxStore, require_transactional,
+    };
+    #[cfg(any(feature = "postgres", feature = "mysql"))]
+    pub use idempotent_runtime::transactional::{TxSlot, run_transactional};
     pub use idempotent_runtime::{
         AsStore, Backoff, DefaultStore, Document, Fingerprint, KeyBuilder, classifier,
     };

@@ -6,12 +6,21 @@
 //! with the body `Box::pin(async move { .. body .. })`. Like `tracing`'s
 //! `#[instrument]`, `#[idempotent]` recognises that shape, checks the method as the user
 //! wrote it (`async fn .. -> R`), and wraps the inner `async move` block.
+//!
+//! That block starts by moving the receiver and each by-value argument into itself
+//! (`let __self = self; let msg = msg;`). Passed whole as the handler's body, it would
+//! take them from under a `store = self.store` that `run` borrows meanwhile. So the
+//! bindings of what the store's expression names move up into the new outer block
+//! (where the key and the store are then written with `__self` for `self`), and the
+//! rest becomes a plain (not `move`) `async` block, which captures those the way the
+//! body uses them, as for any other handler. The other arguments stay moved into the
+//! body, which thus needs no more than `Send` of them.
 
-use proc_macro2::TokenStream;
-use quote::quote_spanned;
+use proc_macro2::{Ident, TokenStream, TokenTree};
+use quote::{quote, quote_spanned};
 use syn::spanned::Spanned;
 use syn::{
-    Expr, ExprAsync, GenericArgument, ItemFn, PathArguments, ReturnType, Stmt, Type,
+    Expr, ExprAsync, GenericArgument, ItemFn, Pat, PathArguments, ReturnType, Stmt, Type,
     TypeParamBound, parse_quote,
 };
 
@@ -21,6 +30,10 @@ pub struct AsyncTraitMethod {
     ret: Type,
     /// The `async move { .. }` inside `Box::pin(..)`.
     inner: ExprAsync,
+    /// The bindings moved up to the outer block ([`hoist`](Self::hoist)).
+    bindings: Vec<Stmt>,
+    /// Whether they include `__self`.
+    binds_self: bool,
 }
 
 impl AsyncTraitMethod {
@@ -45,7 +58,43 @@ impl AsyncTraitMethod {
         }
         let Expr::Async(inner) = &call.args[0] else { return None };
         inner.capture?;
-        Some(AsyncTraitMethod { ret, inner: inner.clone() })
+        Some(AsyncTraitMethod {
+            ret,
+            inner: inner.clone(),
+            bindings: Vec::new(),
+            binds_self: false,
+        })
+    }
+
+    /// Moves up the bindings of the names `store` (the store's expression) uses: of
+    /// `__self` if it reads `self`. The block then stops being `move`.
+    pub fn hoist(&mut self, store: &TokenStream) {
+        let mut names = Vec::new();
+        idents(store.clone(), &mut names);
+        let mut leading = true;
+        let stmts = std::mem::take(&mut self.inner.block.stmts);
+        for stmt in stmts {
+            let Stmt::Local(local) = &stmt else {
+                leading &= is_fake_return(&stmt);
+                self.inner.block.stmts.push(stmt);
+                continue;
+            };
+            let bound = local_ident(&local.pat).filter(|_| leading && is_binding(local));
+            let used = bound.is_some_and(|ident| {
+                let name = if ident == "__self" { "self".to_owned() } else { ident.to_string() };
+                names.contains(&name)
+            });
+            if used {
+                self.binds_self |= bound.is_some_and(|ident| ident == "__self");
+                self.bindings.push(stmt);
+            } else {
+                leading &= is_binding(local);
+                self.inner.block.stmts.push(stmt);
+            }
+        }
+        if !self.bindings.is_empty() {
+            self.inner.capture = None;
+        }
     }
 
     /// The method as written before `#[async_trait]`: `async fn .. -> R` with the inner
@@ -66,11 +115,46 @@ impl AsyncTraitMethod {
         }
     }
 
-    /// The user's body: `#[async_trait]`'s async block, which already carries a
-    /// never-taken `return` of type `R` for inference.
+    /// The user's body: `#[async_trait]`'s async block, less what [`hoist`](Self::hoist)
+    /// moved up. It already carries a never-taken `return` of type `R` for inference.
     pub fn body(&self) -> TokenStream {
         let inner = &self.inner;
         quote_spanned!(inner.span()=> #inner)
+    }
+
+    /// The bindings, for the top of the outer block.
+    pub fn bindings(&self) -> TokenStream {
+        let bindings = &self.bindings;
+        quote!(#(#bindings)*)
+    }
+
+    /// `tokens` (the key's and the store's expressions) with `__self` for `self`, once
+    /// the receiver has moved there.
+    pub fn rename_self(&self, tokens: TokenStream) -> TokenStream {
+        if !self.binds_self {
+            return tokens;
+        }
+        let tokens: Vec<TokenTree> = tokens.into_iter().collect();
+        let mut renamed = Vec::with_capacity(tokens.len());
+        for (i, token) in tokens.iter().enumerate() {
+            let path_follows =
+                matches!(tokens.get(i + 1), Some(TokenTree::Punct(p)) if p.as_char() == ':');
+            renamed.push(match token {
+                TokenTree::Ident(ident) if ident == "self" && !path_follows => {
+                    TokenTree::Ident(Ident::new("__self", ident.span()))
+                }
+                TokenTree::Group(group) => {
+                    let mut inner = proc_macro2::Group::new(
+                        group.delimiter(),
+                        self.rename_self(group.stream()),
+                    );
+                    inner.set_span(group.span());
+                    TokenTree::Group(inner)
+                }
+                other => other.clone(),
+            });
+        }
+        renamed.into_iter().collect()
     }
 
     /// Gives `func` the new `Output` and boxes `body` (an async block's contents) the way
@@ -87,6 +171,55 @@ impl AsyncTraitMethod {
         });
         func.block.brace_token = syn::token::Brace(span);
     }
+}
+
+/// `#[async_trait]`'s binding of an argument: `let [mut] __self = self;`,
+/// `let [mut] msg = msg;`, or, for a pattern, `let (a, b) = { let __arg1 = __arg1; __arg1 };`.
+fn is_binding(local: &syn::Local) -> bool {
+    let Some(init) = &local.init else { return false };
+    if init.diverge.is_some() {
+        return false;
+    }
+    match &*init.expr {
+        Expr::Path(path) => {
+            let Some(from) = path.path.get_ident() else { return false };
+            local_ident(&local.pat)
+                .is_some_and(|to| (to == "__self" && from == "self") || to == from)
+        }
+        Expr::Block(block) => match block.block.stmts.as_slice() {
+            [Stmt::Local(inner), Stmt::Expr(Expr::Path(path), None)] => {
+                is_binding(inner)
+                    && path.path.get_ident().is_some_and(|p| local_ident(&inner.pat) == Some(p))
+            }
+            _ => false,
+        },
+        _ => false,
+    }
+}
+
+/// Every identifier in `tokens`, as text.
+fn idents(tokens: TokenStream, into: &mut Vec<String>) {
+    for token in tokens {
+        match token {
+            TokenTree::Ident(ident) => into.push(ident.to_string()),
+            TokenTree::Group(group) => idents(group.stream(), into),
+            _ => {}
+        }
+    }
+}
+
+/// `x` of the pattern `x` or `mut x`.
+fn local_ident(pat: &Pat) -> Option<&Ident> {
+    match pat {
+        Pat::Ident(ident) if ident.by_ref.is_none() && ident.subpat.is_none() => Some(&ident.ident),
+        _ => None,
+    }
+}
+
+/// `#[async_trait]`'s never-taken `if let Some(__ret) = None::<R> { return __ret; }`,
+/// which comes before the bindings.
+fn is_fake_return(stmt: &Stmt) -> bool {
+    matches!(stmt, Stmt::Expr(Expr::If(_), _))
 }
 
 /// `R` in `Pin<Box<dyn Future<Output = R> + ..>>`, by any path.

@@ -455,7 +455,7 @@ impl Handler {
         })
     }
 
-    fn expand(self, mut func: ItemFn, async_trait: Option<AsyncTraitMethod>) -> TokenStream {
+    fn expand(self, mut func: ItemFn, mut async_trait: Option<AsyncTraitMethod>) -> TokenStream {
         let Handler { krate, namespace, ttl_ms, lease_ms, max_attempts, backoff, .. } = &self;
         let private = quote!(#krate::__private);
         let key_var = Ident::new("__idempotent_key", Span::mixed_site());
@@ -518,12 +518,21 @@ impl Handler {
         };
         let store = match &self.store {
             Some(expr) if self.transaction.is_some() => {
-                let transactional = respan(quote!(#private::TransactionalStore), expr.span());
-                let as_store =
-                    quote_spanned!(expr.span()=> #transactional::transactional_store(#store_var));
-                quote! {
+                // A store that is not transactional is reported once, at the
+                // expression: `run_transactional` then gets a stand-in that is.
+                let private = respan(private.clone(), expr.span());
+                // Named at the expression (rustc blames the argument), and bound
+                // once: the expression may make a temporary the borrow extends.
+                let checked = Ident::new("__idempotent_checked_store", expr.span());
+                quote_spanned! {expr.span()=>
                     let #store_var = &(#expr);
-                    let #store_var = #as_store;
+                    let #checked = #store_var;
+                    #private::require_transactional(#checked);
+                    let #store_var = {
+                        #[allow(unused_imports)]
+                        use #private::{CheckedTxStore as _, UncheckedTxStore as _};
+                        #private::TxStore(#store_var).transactional_store()
+                    };
                 }
             }
             Some(expr) => {
@@ -584,13 +593,18 @@ impl Handler {
                     }
                 }
                 let syn::PatType { pat, ty, .. } = lent.expect("checked: the argument exists");
-                // Located at the user's type: a type that is not sqlx's transaction is
-                // reported there.
-                let located = Span::mixed_site().located_at(ty.span());
-                let lent_var = Ident::new("__idempotent_lent", located);
-                let borrow = quote_spanned!(ty.span()=> &mut #lent_var);
+                // A type that is not sqlx's transaction on the store's database is
+                // reported at the user's type, with the type to write.
+                let lent_var = Ident::new("__idempotent_lent", Span::mixed_site());
+                let lent_ty = match ungroup_type(&ty) {
+                    Type::Reference(reference) => &*reference.elem,
+                    other => other,
+                };
+                let borrow = quote_spanned! {lent_ty.span()=>
+                    #lent_var.as_handler_tx::<#lent_ty>()
+                };
                 (
-                    Some(quote!(let #slot_var = #private::TxSlot::new();)),
+                    Some(quote!(let #slot_var = #private::TxSlot::for_store(#store_var);)),
                     quote! {
                         let mut #lent_var = #slot_var.lend();
                         let #pat: #ty = #borrow;
@@ -599,6 +613,9 @@ impl Handler {
             }
             None => (None, quote!()),
         };
+        if let (Some(method), Some(store)) = (&mut async_trait, &self.store) {
+            method.hoist(&quote!(#store));
+        }
         let body = match &async_trait {
             Some(method) => method.body(),
             None => body_block(&func, lend),
@@ -668,11 +685,23 @@ impl Handler {
             }
         };
 
+        // On an `#[async_trait]` method the receiver and by-value arguments are moved
+        // to `#[async_trait]`'s bindings first, and read from there.
+        let (bindings, build_key, build_call, store) = match &async_trait {
+            Some(method) => (
+                method.bindings(),
+                method.rename_self(build_key),
+                method.rename_self(build_call),
+                method.rename_self(store),
+            ),
+            None => (quote!(), build_key, build_call, store),
+        };
         let new_body = quote!({
-            #slot
+            #bindings
             #build_key
             #build_call
             #store
+            #slot
             #call
         });
         match async_trait {

@@ -31,6 +31,8 @@ use crate::alert::TerminalHook;
 use crate::execute::{Call, Completed, Discarded, ResultCache, Spec};
 use crate::{Error, ErrorClass, Outcome, Store, StoreError, Transition};
 
+#[doc(hidden)]
+pub mod check;
 #[cfg(feature = "mysql")]
 mod mysql;
 #[cfg(feature = "postgres")]
@@ -214,6 +216,12 @@ impl<DB: Database> TxSlot<DB> {
         TxSlot::default()
     }
 
+    /// An empty slot for `store`'s database.
+    pub fn for_store<S: Transactional<Database = DB> + ?Sized>(store: &S) -> TxSlot<DB> {
+        let _ = store;
+        TxSlot::default()
+    }
+
     /// Lends the transaction to the handler until the returned guard drops.
     ///
     /// # Panics
@@ -238,6 +246,14 @@ impl<DB: Database> TxSlot<DB> {
 pub struct LentTx<'a, DB: Database> {
     slot: &'a TxSlot<DB>,
     tx: Option<Transaction<'static, DB>>,
+}
+
+impl<DB: Database> LentTx<'_, DB> {
+    /// The transaction, as the handler's argument's type `T`: sqlx's [`Transaction`]
+    /// on `DB`, which anything else fails to compile, with a message saying so.
+    pub fn as_handler_tx<T: check::HandlerTransaction<DB> + ?Sized>(&mut self) -> &mut T {
+        T::from_lent(self)
+    }
 }
 
 impl<DB: Database> Deref for LentTx<'_, DB> {

@@ -60,11 +60,12 @@ impl Handler for Consumer {
         Self: 'async_trait,
     {
         ::std::boxed::Box::pin(async move {
+            let __self = self;
             let __idempotent_key = {
                 let mut __idempotent_key = ::idempotent::__private::KeyBuilder::new(
                     "billing.charge",
                 );
-                __idempotent_key.field("self.tenant", &self.tenant);
+                __idempotent_key.field("self.tenant", &__self.tenant);
                 __idempotent_key.text("/");
                 __idempotent_key.field("id", &order.id);
                 __idempotent_key.finish()
@@ -77,7 +78,7 @@ impl Handler for Consumer {
                 ),
                 __idempotent_key,
             );
-            let __idempotent_store = &(self.store);
+            let __idempotent_store = &(__self.store);
             let __idempotent_store = {
                 use ::idempotent::__private::AsStore as _;
                 __idempotent_store.__idempotent_as_store()
@@ -85,8 +86,7 @@ impl Handler for Consumer {
             ::idempotent::__private::run_infallible(
                     __idempotent_call,
                     __idempotent_store,
-                    async move {
-                        let __self = self;
+                    async {
                         let _: () = {
                             let _ = &order.id;
                         };

@@ -11,7 +11,6 @@ async fn debit(
     ::idempotent::Outcome<()>,
     ::idempotent::Error<sqlx::Error>,
 > {
-    let __idempotent_tx = ::idempotent::__private::TxSlot::new();
     #[allow(clippy::needless_borrow)]
     let __idempotent_key = {
         #[allow(unused_imports)]
@@ -34,9 +33,14 @@ async fn debit(
         __idempotent_key,
     );
     let __idempotent_store = &(pg);
-    let __idempotent_store = ::idempotent::__private::TransactionalStore::transactional_store(
-        __idempotent_store,
-    );
+    let __idempotent_checked_store = __idempotent_store;
+    ::idempotent::__private::require_transactional(__idempotent_checked_store);
+    let __idempotent_store = {
+        #[allow(unused_imports)]
+        use ::idempotent::__private::{CheckedTxStore as _, UncheckedTxStore as _};
+        ::idempotent::__private::TxStore(__idempotent_store).transactional_store()
+    };
+    let __idempotent_tx = ::idempotent::__private::TxSlot::for_store(__idempotent_store);
     ::idempotent::__private::run_transactional(
             __idempotent_call,
             __idempotent_store,
@@ -45,7 +49,8 @@ async fn debit(
             ::idempotent::__private::process_sink,
             async {
                 let mut __idempotent_lent = __idempotent_tx.lend();
-                let tx: &mut Transaction<'_, Postgres> = &mut __idempotent_lent;
+                let tx: &mut Transaction<'_, Postgres> = __idempotent_lent
+                    .as_handler_tx::<Transaction<'_, Postgres>>();
                 #[allow(
                     unknown_lints,
                     unreachable_code,
