@@ -4,6 +4,7 @@
 use std::fmt::Display;
 use std::future::Future;
 use std::panic::{AssertUnwindSafe, catch_unwind};
+use std::sync::atomic::Ordering::Relaxed;
 use std::task::Poll;
 use std::time::Duration;
 
@@ -884,7 +885,9 @@ fn renewal_period(lease: Duration) -> Duration {
 /// The body is polled only while the lease the last applied renewal granted lasts.
 /// A call left unpolled past it (its task starved, its process stopped, its future
 /// parked by the caller) may have lost the key to a redelivery meanwhile: it waits
-/// for the renewal that was due, and goes on only if that renewal is applied.
+/// for the renewal that was due, and goes on only if that renewal is applied, or if
+/// the store does not answer it (as when renewals fail while the body runs, the
+/// token then fences the result when it is recorded).
 async fn with_renewal<S, F>(
     claim: &HeldClaim<'_, S>,
     first: tokio::time::Instant,
@@ -925,6 +928,7 @@ where
             match tokio::time::timeout(budget, renewal).await {
                 Ok(Ok(Transition::Applied)) => {
                     held_until.set(sent + lease);
+                    held_until.unanswered.store(false, Relaxed);
                     next = sent + period;
                 }
                 Ok(Ok(Transition::LeaseLost)) => {
@@ -938,11 +942,13 @@ where
                 Ok(Err(error)) => {
                     claim.meter.store_failed(Operation::Renew);
                     tracing::warn!(key = %claim.key.logged(), %error, "lease renewal failed; trying again");
+                    held_until.unanswered.fetch_or(sent >= held_until.get(), Relaxed);
                     next = tokio::time::Instant::now() + pause;
                 }
                 Err(_) => {
                     claim.meter.store_failed(Operation::Renew);
                     tracing::warn!(key = %claim.key.logged(), "lease renewal timed out; trying again");
+                    held_until.unanswered.fetch_or(sent >= held_until.get(), Relaxed);
                     next = tokio::time::Instant::now() + pause;
                 }
             }
@@ -953,13 +959,13 @@ where
     std::future::poll_fn(|cx| {
         // While the lease holds, the body first (the renewal's timer is made once it
         // waits). Once it has run out, the renewal first, and the body only when one
-        // is applied.
-        let lapsed = tokio::time::Instant::now() >= held_until.get();
+        // is applied, or when the store could not answer one.
+        let lapsed = held_until.lapsed();
         if lapsed {
             if let Poll::Ready(stopped) = renew.as_mut().poll(cx) {
                 return Poll::Ready(Err(stopped));
             }
-            if tokio::time::Instant::now() >= held_until.get() {
+            if held_until.lapsed() {
                 return Poll::Pending;
             }
         }
@@ -974,28 +980,38 @@ where
     .await
 }
 
-/// An instant after the claim, as nanoseconds since it.
+/// Until when a claim is known to be this call's (as nanoseconds since the claim),
+/// and whether a renewal sent since then went unanswered.
 struct HeldUntil {
     claimed_at: tokio::time::Instant,
     nanos: std::sync::atomic::AtomicU64,
+    /// A renewal sent after the lease ran out failed or timed out: the store can't
+    /// say, and the body goes on as it would without renewals, its result fenced by
+    /// the token when it is recorded.
+    unanswered: std::sync::atomic::AtomicBool,
 }
 
 impl HeldUntil {
     fn new(claimed_at: tokio::time::Instant, lease: Duration) -> HeldUntil {
-        let held = HeldUntil { claimed_at, nanos: 0.into() };
+        let held = HeldUntil { claimed_at, nanos: 0.into(), unanswered: false.into() };
         held.set(claimed_at + lease);
         held
     }
 
+    /// Whether the body must wait for a renewal's answer before it goes on.
+    fn lapsed(&self) -> bool {
+        tokio::time::Instant::now() >= self.get() && !self.unanswered.load(Relaxed)
+    }
+
     fn get(&self) -> tokio::time::Instant {
-        let nanos = self.nanos.load(std::sync::atomic::Ordering::Relaxed);
+        let nanos = self.nanos.load(Relaxed);
         self.claimed_at + Duration::from_nanos(nanos)
     }
 
     fn set(&self, until: tokio::time::Instant) {
         let nanos = until.saturating_duration_since(self.claimed_at).as_nanos();
         let nanos = u64::try_from(nanos).unwrap_or(u64::MAX);
-        self.nanos.store(nanos, std::sync::atomic::Ordering::Relaxed);
+        self.nanos.store(nanos, Relaxed);
     }
 }
 

@@ -431,6 +431,43 @@ pub async fn lost_lease_stops_the_body<S: Store + ?Sized>(store: &S) {
     assert_eq!(claim_state(store, &key).await, Claim::Done);
 }
 
+/// A call left unpolled for longer than its lease (its task starved by blocking code,
+/// its process stopped) whose key another consumer took meanwhile is stopped when it
+/// is polled again: the renewal that was due answers before the body goes on, rather
+/// than the body running to its end after the other consumer's run.
+pub async fn unpolled_call_is_stopped_when_resumed<S: Store + ?Sized>(store: &S) {
+    let (key, runs, alerts) = (fresh_key("unpolled"), AtomicU32::new(0), Alerts::default());
+    let (started, went_on) = (AtomicBool::new(false), AtomicBool::new(false));
+    let slow =
+        run(Call::new(spec(5), Ok(key.clone())), store, Failure::class, alerts.hook(), async {
+            started.store(true, Ordering::SeqCst);
+            tokio::time::sleep(LEASE / 2).await;
+            went_on.store(true, Ordering::SeqCst);
+            Ok::<u32, Failure>(1)
+        });
+    let mut slow = std::pin::pin!(slow);
+    // Polled until the body waits: the key is claimed.
+    let claimed = async {
+        while !started.load(Ordering::SeqCst) {
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }
+    };
+    tokio::select! {
+        out = &mut slow => panic!("the call ended before its body waited: {out:?}"),
+        () = claimed => {}
+    }
+    // Then not polled for two leases, while another consumer takes the key over.
+    tokio::time::sleep(LEASE * 2).await;
+    assert_eq!(
+        call(store, &key, spec(5), &runs, &alerts, Ok(2)).await.unwrap(),
+        Outcome::Processed(2)
+    );
+    let late = slow.await;
+    assert!(matches!(late, Err(Error::LeaseLost { attempt: 1, .. })), "{late:?}");
+    assert!(!went_on.load(Ordering::SeqCst), "the body went on after another consumer's run");
+    assert_eq!(claim_state(store, &key).await, Claim::Done);
+}
+
 /// A handler that fails for good after another consumer took its key (renewals were
 /// impossible, so nothing told it) reports `LeaseLost`, not `Terminal`: the key is not
 /// kept as failed, and no alert goes out for a message the other consumer completed.
@@ -907,6 +944,7 @@ pub const CASES: &[&str] = &[
     "expired_lease_is_fenced",
     "late_completion_gets_lease_lost",
     "lost_lease_stops_the_body",
+    "unpolled_call_is_stopped_when_resumed",
     "lost_lease_failure_is_not_terminal",
     "renewal_keeps_slow_handler",
     "renewal_extends_retention",
@@ -934,6 +972,7 @@ macro_rules! store_suite {
             unfinished_attempts_are_capped, store_unreachable_at_claim,
             store_fails_after_handler, ttl_expiry_forgets, expired_lease_is_fenced,
             late_completion_gets_lease_lost, lost_lease_stops_the_body,
+            unpolled_call_is_stopped_when_resumed,
             lost_lease_failure_is_not_terminal, renewal_keeps_slow_handler,
             renewal_extends_retention, huge_durations_are_held, panic_on_last_attempt_fails,
             a_failed_completion_is_retried,
