@@ -157,6 +157,14 @@ impl AsyncTraitMethod {
         renamed.into_iter().collect()
     }
 
+    /// `func` returning `output`, with `#[async_trait]`'s block type-checked but never
+    /// run: what an attribute with a mistake expands to, beside its error.
+    pub fn stand_in(&self, mut func: ItemFn, output: Type) -> TokenStream {
+        let inner = &self.inner;
+        Self::finish(&mut func, output, quote!({ let _ = #inner; ::core::unreachable!() }));
+        quote!(#func)
+    }
+
     /// Gives `func` the new `Output` and boxes `body` (an async block's contents) the way
     /// `#[async_trait]` does.
     pub fn finish(func: &mut ItemFn, output: Type, body: TokenStream) {

@@ -33,9 +33,26 @@ pub fn idempotent(args: TokenStream, item: TokenStream) -> TokenStream {
     };
     let async_trait = AsyncTraitMethod::detect(&func);
     let written = async_trait.as_ref().map(|method| method.as_written(&func));
+    let krate: syn::Path =
+        parsed.krate.get().cloned().unwrap_or_else(|| parse_quote!(::idempotent));
     match Handler::check(parsed, written.as_ref().unwrap_or(&func), async_trait.is_some(), errors) {
         Ok(handler) => handler.expand(func, async_trait),
-        Err(e) => with_errors(item, e),
+        // The method with the signature the trait declares, so that the mistake is
+        // not followed by a mismatch against the trait.
+        Err(e) => match (&async_trait, &written) {
+            (Some(method), Some(written)) => {
+                let output = match returns(&written.sig.output, &krate) {
+                    Returns::Fallible { ok, err } => {
+                        quote!(::core::result::Result<#krate::Outcome<#ok>, #krate::Error<#err>>)
+                    }
+                    Returns::Infallible { ok } => quote! {
+                        ::core::result::Result<#krate::Outcome<#ok>, #krate::Error<::core::convert::Infallible>>
+                    },
+                };
+                with_errors(method.stand_in(func, parse_quote!(#output)), e)
+            }
+            _ => with_errors(item, e),
+        },
     }
 }
 
