@@ -927,8 +927,7 @@ where
                 claim.store.renew(claim.key, claim.token, claim.spec.lease, claim.spec.ttl);
             match tokio::time::timeout(budget, renewal).await {
                 Ok(Ok(Transition::Applied)) => {
-                    held_until.set(sent + lease);
-                    held_until.unanswered.store(false, Relaxed);
+                    held_until.renewed(sent + lease);
                     next = sent + period;
                 }
                 Ok(Ok(Transition::LeaseLost)) => {
@@ -942,13 +941,13 @@ where
                 Ok(Err(error)) => {
                     claim.meter.store_failed(Operation::Renew);
                     tracing::warn!(key = %claim.key.logged(), %error, "lease renewal failed; trying again");
-                    held_until.unanswered.fetch_or(sent >= held_until.get(), Relaxed);
+                    held_until.went_unanswered(sent);
                     next = tokio::time::Instant::now() + pause;
                 }
                 Err(_) => {
                     claim.meter.store_failed(Operation::Renew);
                     tracing::warn!(key = %claim.key.logged(), "lease renewal timed out; trying again");
-                    held_until.unanswered.fetch_or(sent >= held_until.get(), Relaxed);
+                    held_until.went_unanswered(sent);
                     next = tokio::time::Instant::now() + pause;
                 }
             }
@@ -1001,6 +1000,17 @@ impl HeldUntil {
     /// Whether the body must wait for a renewal's answer before it goes on.
     fn lapsed(&self) -> bool {
         tokio::time::Instant::now() >= self.get() && !self.unanswered.load(Relaxed)
+    }
+
+    /// A renewal was applied: the claim is held until `until`.
+    fn renewed(&self, until: tokio::time::Instant) {
+        self.set(until);
+        self.unanswered.store(false, Relaxed);
+    }
+
+    /// A renewal sent at `sent` failed or timed out.
+    fn went_unanswered(&self, sent: tokio::time::Instant) {
+        self.unanswered.fetch_or(sent >= self.get(), Relaxed);
     }
 
     fn get(&self) -> tokio::time::Instant {
