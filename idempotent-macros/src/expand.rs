@@ -41,14 +41,7 @@ pub fn idempotent(args: TokenStream, item: TokenStream) -> TokenStream {
         // not followed by a mismatch against the trait.
         Err(e) => match (&async_trait, &written) {
             (Some(method), Some(written)) => {
-                let output = match returns(&written.sig.output, &krate) {
-                    Returns::Fallible { ok, err } => {
-                        quote!(::core::result::Result<#krate::Outcome<#ok>, #krate::Error<#err>>)
-                    }
-                    Returns::Infallible { ok } => quote! {
-                        ::core::result::Result<#krate::Outcome<#ok>, #krate::Error<::core::convert::Infallible>>
-                    },
-                };
+                let output = returns(&written.sig.output, &krate).output(&krate);
                 with_errors(method.stand_in(func, parse_quote!(#output)), e)
             }
             _ => with_errors(item, e),
@@ -123,6 +116,17 @@ enum Returns {
     Fallible { ok: TokenStream, err: TokenStream },
     /// Anything else: the handler cannot fail.
     Infallible { ok: TokenStream },
+}
+
+impl Returns {
+    /// What the expanded handler returns: `Result<Outcome<T>, Error<E>>`.
+    fn output(&self, krate: &syn::Path) -> TokenStream {
+        let (ok, err) = match self {
+            Returns::Fallible { ok, err } => (ok, err.clone()),
+            Returns::Infallible { ok } => (ok, quote!(::core::convert::Infallible)),
+        };
+        quote!(::core::result::Result<#krate::Outcome<#ok>, #krate::Error<#err>>)
+    }
 }
 
 /// Where a placeholder's value comes from.
@@ -638,7 +642,7 @@ impl Handler {
             None => body_block(&func, lend),
         };
         let (output, call) = match &self.returns {
-            Returns::Fallible { ok, err } => {
+            Returns::Fallible { err, .. } => {
                 // `E: Classify` asked once, at the error type, by a function whose
                 // answer (a `fn` pointer) `run`'s bounds then take without asking again;
                 // a hook of the wrong shape is likewise one error, at its path.
@@ -674,7 +678,7 @@ impl Handler {
                     },
                 };
                 let call = quote!(#require_hook #call);
-                (quote!(::core::result::Result<#krate::Outcome<#ok>, #krate::Error<#err>>), call)
+                (self.returns.output(krate), call)
             }
             Returns::Infallible { ok } => {
                 // A `Result` under another name would have its `Err` recorded as a
@@ -696,7 +700,7 @@ impl Handler {
                     _ => quote!(),
                 };
                 (
-                    quote!(::core::result::Result<#krate::Outcome<#ok>, #krate::Error<::core::convert::Infallible>>),
+                    self.returns.output(krate),
                     quote!(#check #private::run_infallible(#call_var, #store_var, #body).await),
                 )
             }
