@@ -887,7 +887,9 @@ fn renewal_period(lease: Duration) -> Duration {
 /// parked by the caller) may have lost the key to a redelivery meanwhile: it waits
 /// for the renewal that was due, and goes on only if that renewal is applied, or if
 /// the store does not answer it (as when renewals fail while the body runs, the
-/// token then fences the result when it is recorded).
+/// token then fences the result when it is recorded). An unanswered renewal lets the
+/// body go on for a lease: left unpolled past that, the call waits for an answer
+/// again.
 async fn with_renewal<S, F>(
     claim: &HeldClaim<'_, S>,
     first: tokio::time::Instant,
@@ -902,9 +904,9 @@ where
     // thirtieth of the lease), and no wait for an answer outlasts the lease the last
     // applied renewal granted: one slow renewal must not push the next one past the
     // lease's end. Once that lease has run out there is none left to protect, and a
-    // renewal gets a third of the lease to answer: cut to a thirtieth, every answer
-    // of a store slower than that (under load) would time out, and a body whose key
-    // another consumer took would never hear so and never be stopped.
+    // renewal gets a whole lease to answer (the body waits for it): cut shorter,
+    // every answer of a store slower than that (under load) would time out, and a
+    // body whose key another consumer took would go on, never told.
     let lease = claim.spec.lease;
     let period = renewal_period(lease);
     let pause = (lease / 30).max(std::time::Duration::from_millis(1));
@@ -922,7 +924,7 @@ where
             timer.as_mut().await;
             let sent = tokio::time::Instant::now();
             let left = held_until.get().saturating_duration_since(sent);
-            let budget = if left.is_zero() { period } else { left.min(period).max(pause) };
+            let budget = if left.is_zero() { lease } else { left.min(period).max(pause) };
             let renewal =
                 claim.store.renew(claim.key, claim.token, claim.spec.lease, claim.spec.ttl);
             match tokio::time::timeout(budget, renewal).await {
@@ -979,49 +981,62 @@ where
     .await
 }
 
-/// Until when a claim is known to be this call's (as nanoseconds since the claim),
-/// and whether a renewal sent since then went unanswered.
+/// Until when a claim is known to be this call's, and until when its body may go on
+/// without knowing (both as nanoseconds since the claim).
 struct HeldUntil {
     claimed_at: tokio::time::Instant,
+    lease: Duration,
     nanos: std::sync::atomic::AtomicU64,
     /// A renewal sent after the lease ran out failed or timed out: the store can't
     /// say, and the body goes on as it would without renewals, its result fenced by
-    /// the token when it is recorded.
-    unanswered: std::sync::atomic::AtomicBool,
+    /// the token when it is recorded. For a lease from when it went unanswered: a
+    /// call then left unpolled past that (its task starved again) waits for a
+    /// renewal's answer again, like one left unpolled past its lease.
+    unanswered_until: std::sync::atomic::AtomicU64,
 }
 
 impl HeldUntil {
     fn new(claimed_at: tokio::time::Instant, lease: Duration) -> HeldUntil {
-        let held = HeldUntil { claimed_at, nanos: 0.into(), unanswered: false.into() };
+        let held = HeldUntil { claimed_at, lease, nanos: 0.into(), unanswered_until: 0.into() };
         held.set(claimed_at + lease);
         held
     }
 
     /// Whether the body must wait for a renewal's answer before it goes on.
     fn lapsed(&self) -> bool {
-        tokio::time::Instant::now() >= self.get() && !self.unanswered.load(Relaxed)
+        let now = tokio::time::Instant::now();
+        now >= self.get() && now >= self.at(self.unanswered_until.load(Relaxed))
     }
 
     /// A renewal was applied: the claim is held until `until`.
     fn renewed(&self, until: tokio::time::Instant) {
         self.set(until);
-        self.unanswered.store(false, Relaxed);
+        self.unanswered_until.store(0, Relaxed);
     }
 
-    /// A renewal sent at `sent` failed or timed out.
+    /// A renewal sent at `sent` failed or timed out, just now.
     fn went_unanswered(&self, sent: tokio::time::Instant) {
-        self.unanswered.fetch_or(sent >= self.get(), Relaxed);
+        if sent >= self.get() {
+            let until = tokio::time::Instant::now() + self.lease;
+            self.unanswered_until.fetch_max(self.nanos_at(until), Relaxed);
+        }
     }
 
     fn get(&self) -> tokio::time::Instant {
-        let nanos = self.nanos.load(Relaxed);
-        self.claimed_at + Duration::from_nanos(nanos)
+        self.at(self.nanos.load(Relaxed))
     }
 
     fn set(&self, until: tokio::time::Instant) {
-        let nanos = until.saturating_duration_since(self.claimed_at).as_nanos();
-        let nanos = u64::try_from(nanos).unwrap_or(u64::MAX);
-        self.nanos.store(nanos, Relaxed);
+        self.nanos.store(self.nanos_at(until), Relaxed);
+    }
+
+    fn at(&self, nanos: u64) -> tokio::time::Instant {
+        self.claimed_at + Duration::from_nanos(nanos)
+    }
+
+    fn nanos_at(&self, instant: tokio::time::Instant) -> u64 {
+        let nanos = instant.saturating_duration_since(self.claimed_at).as_nanos();
+        u64::try_from(nanos).unwrap_or(u64::MAX)
     }
 }
 

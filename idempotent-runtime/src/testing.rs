@@ -468,6 +468,54 @@ pub async fn unpolled_call_is_stopped_when_resumed<S: Store + ?Sized>(store: &S)
     assert_eq!(claim_state(store, &key).await, Claim::Done);
 }
 
+/// The same after renewals went unanswered: a call whose lease ran out goes on while
+/// the store cannot answer its renewals, but once the store answers again, a second
+/// time unpolled past a lease, it is stopped by the renewal due meanwhile, not polled
+/// on beside the consumer that took its key over.
+pub async fn unpolled_again_after_failed_renewals_is_stopped<S: Store + ?Sized>(store: &S) {
+    let (key, runs, alerts) = (fresh_key("unpolled-again"), AtomicU32::new(0), Alerts::default());
+    let flaky = Flaky::new(store);
+    let (started, went_on) = (AtomicBool::new(false), AtomicBool::new(false));
+    let slow =
+        run(Call::new(spec(5), Ok(key.clone())), &flaky, Failure::class, alerts.hook(), async {
+            started.store(true, Ordering::SeqCst);
+            tokio::time::sleep(LEASE * 3).await;
+            went_on.store(true, Ordering::SeqCst);
+            Ok::<u32, Failure>(1)
+        });
+    let mut slow = std::pin::pin!(slow);
+    let claimed = async {
+        while !started.load(Ordering::SeqCst) {
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }
+    };
+    tokio::select! {
+        out = &mut slow => panic!("the call ended before its body waited: {out:?}"),
+        () = claimed => {}
+    }
+    // Not polled past the lease; then polled for a third of one while every renewal
+    // fails: the body goes on waiting.
+    tokio::time::sleep(LEASE * 3 / 2).await;
+    flaky.refuse_renewals.store(true, Ordering::SeqCst);
+    tokio::select! {
+        out = &mut slow => panic!("the call ended while its body waited: {out:?}"),
+        () = tokio::time::sleep(LEASE / 3) => {}
+    }
+    assert!(flaky.refused.load(Ordering::SeqCst) > 0, "no renewal was sent after the lapse");
+    flaky.refuse_renewals.store(false, Ordering::SeqCst);
+    // Unpolled for two leases again (the body's wait ends meanwhile), while another
+    // consumer takes the key over.
+    tokio::time::sleep(LEASE * 2).await;
+    assert_eq!(
+        call(store, &key, spec(5), &runs, &alerts, Ok(2)).await.unwrap(),
+        Outcome::Processed(2)
+    );
+    let late = slow.await;
+    assert!(matches!(late, Err(Error::LeaseLost { attempt: 1, .. })), "{late:?}");
+    assert!(!went_on.load(Ordering::SeqCst), "the body went on after another consumer's run");
+    assert_eq!(claim_state(store, &key).await, Claim::Done);
+}
+
 /// A handler that fails for good after another consumer took its key (renewals were
 /// impossible, so nothing told it) reports `LeaseLost`, not `Terminal`: the key is not
 /// kept as failed, and no alert goes out for a message the other consumer completed.
@@ -839,6 +887,8 @@ struct Flaky<'a, S: ?Sized> {
     down: AtomicBool,
     down_after_claim: AtomicBool,
     refuse_renewals: AtomicBool,
+    /// How many renewals `refuse_renewals` failed.
+    refused: AtomicU32,
     /// How many completes still fail before they reach the store.
     failing_completes: AtomicU32,
 }
@@ -851,6 +901,7 @@ impl<'a, S: Store + ?Sized> Flaky<'a, S> {
             down_after_claim: AtomicBool::new(false),
             failing_completes: AtomicU32::new(0),
             refuse_renewals: AtomicBool::new(false),
+            refused: AtomicU32::new(0),
         }
     }
 
@@ -907,7 +958,9 @@ impl<S: Store + ?Sized> Store for Flaky<'_, S> {
         ttl: Duration,
     ) -> Result<Transition, StoreError> {
         self.check(&self.down)?;
-        self.check(&self.refuse_renewals)?;
+        self.check(&self.refuse_renewals).inspect_err(|_| {
+            self.refused.fetch_add(1, Ordering::SeqCst);
+        })?;
         self.inner.renew(key, token, lease, ttl).await
     }
     fn abandon(&self, key: &Key, token: Token) {
@@ -945,6 +998,7 @@ pub const CASES: &[&str] = &[
     "late_completion_gets_lease_lost",
     "lost_lease_stops_the_body",
     "unpolled_call_is_stopped_when_resumed",
+    "unpolled_again_after_failed_renewals_is_stopped",
     "lost_lease_failure_is_not_terminal",
     "renewal_keeps_slow_handler",
     "renewal_extends_retention",
@@ -972,7 +1026,7 @@ macro_rules! store_suite {
             unfinished_attempts_are_capped, store_unreachable_at_claim,
             store_fails_after_handler, ttl_expiry_forgets, expired_lease_is_fenced,
             late_completion_gets_lease_lost, lost_lease_stops_the_body,
-            unpolled_call_is_stopped_when_resumed,
+            unpolled_call_is_stopped_when_resumed, unpolled_again_after_failed_renewals_is_stopped,
             lost_lease_failure_is_not_terminal, renewal_keeps_slow_handler,
             renewal_extends_retention, huge_durations_are_held, panic_on_last_attempt_fails,
             a_failed_completion_is_retried,
