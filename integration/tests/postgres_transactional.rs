@@ -608,3 +608,34 @@ async fn eight_consumers_with(claim: TransactionalClaim) {
     assert!(redelivered.load(Ordering::SeqCst) > 0, "faults were injected");
     bank.drop_tables().await;
 }
+
+/// A store kept in a `static LazyLock`, as an application keeps one it builds once.
+static LAZY_STORE: std::sync::LazyLock<PostgresStore> = std::sync::LazyLock::new(|| {
+    let url = std::env::var("DATABASE_URL")
+        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into());
+    let pool = sqlx::postgres::PgPoolOptions::new().connect_lazy(&url);
+    PostgresStore::from_pool(pool.expect("DATABASE_URL is a PostgreSQL URL"))
+});
+
+/// Answers its id from inside the transaction it records DONE in.
+#[idempotent(key = "lazy:{id}", store = LAZY_STORE, transactional)]
+async fn echo_in_lazy_store(
+    msg: &Debit,
+    tx: &mut Transaction<'_, Postgres>,
+) -> Result<i64, sqlx::Error> {
+    sqlx::query_scalar("SELECT $1::bigint").bind(msg.id).fetch_one(&mut **tx).await
+}
+
+#[tokio::test]
+async fn a_store_in_a_lazy_lock_records_in_the_handlers_transaction() {
+    if postgres::pool(1).await.is_none() {
+        return;
+    }
+    LAZY_STORE.migrate().await.unwrap();
+    // A fresh id: the records table is the shared default one.
+    let fresh = idempotent::testing::fresh_key("lazy");
+    let id = i64::from_str_radix(fresh.namespace().rsplit('-').next().unwrap(), 16).unwrap();
+    let msg = debit_of(id);
+    assert_eq!(echo_in_lazy_store(&msg).await.unwrap(), Outcome::Processed(id));
+    assert_eq!(echo_in_lazy_store(&msg).await.unwrap(), Outcome::Duplicate);
+}

@@ -153,8 +153,9 @@ mod sealed {
 #[diagnostic::on_unimplemented(
     message = "`transactional` needs a `PostgresStore` or a `MysqlStore`, and `{Self}` is not one",
     label = "records kept here can't commit in the handler's SQL transaction",
-    note = "pass a `PostgresStore` or `MysqlStore` (or a reference, `Arc` or `Box` of one) as \
-            `store = ...`, or drop `transactional` and record DONE separately"
+    note = "pass a `PostgresStore` or `MysqlStore` (or a reference, `Arc`, `Box` or \
+            `LazyLock` of one) as `store = ...`, or drop `transactional` and record DONE \
+            separately"
 )]
 pub trait TransactionalStore {
     /// The store itself.
@@ -201,6 +202,13 @@ impl<S: TransactionalStore + ?Sized> TransactionalStore for Box<S> {
     }
 }
 
+impl<S: TransactionalStore, F: FnOnce() -> S> TransactionalStore for std::sync::LazyLock<S, F> {
+    type Target = S::Target;
+    fn transactional_store(&self) -> &Self::Target {
+        (**self).transactional_store()
+    }
+}
+
 /// Where [`run_transactional`] keeps the transaction while the handler borrows it.
 pub struct TxSlot<DB: Database>(Mutex<Option<Transaction<'static, DB>>>);
 
@@ -227,6 +235,7 @@ impl<DB: Database> TxSlot<DB> {
     /// # Panics
     /// When no transaction is in the slot: outside [`run_transactional`]'s body, or
     /// lent twice at once.
+    #[allow(clippy::expect_used, reason = "documented: the expansion lends it once per call")]
     pub fn lend(&self) -> LentTx<'_, DB> {
         let tx = self.take().expect("the transaction is lent once, inside the handler");
         LentTx { slot: self, tx: Some(tx) }
@@ -258,12 +267,14 @@ impl<DB: Database> LentTx<'_, DB> {
 
 impl<DB: Database> Deref for LentTx<'_, DB> {
     type Target = Transaction<'static, DB>;
+    #[allow(clippy::expect_used, reason = "`tx` is only taken in `drop`")]
     fn deref(&self) -> &Self::Target {
         self.tx.as_ref().expect("held until drop")
     }
 }
 
 impl<DB: Database> DerefMut for LentTx<'_, DB> {
+    #[allow(clippy::expect_used, reason = "`tx` is only taken in `drop`")]
     fn deref_mut(&mut self) -> &mut Self::Target {
         self.tx.as_mut().expect("held until drop")
     }
