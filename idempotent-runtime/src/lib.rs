@@ -14,6 +14,10 @@
 
 #![deny(missing_docs)]
 #![cfg_attr(docsrs, feature(doc_cfg))]
+// Nothing a store or broker answers, a message carries or a user configures may panic
+// in here: it must come back as an error. The few panics left guard the library's
+// own invariants, and each is allowed where it is, with the reason.
+#![cfg_attr(not(test), deny(clippy::unwrap_used, clippy::expect_used, clippy::panic))]
 
 pub mod alert;
 mod backoff;
@@ -74,6 +78,12 @@ pub mod result_alias;
 pub mod store;
 #[cfg(feature = "testing")]
 #[cfg_attr(docsrs, doc(cfg(feature = "testing")))]
+#[allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic,
+    reason = "a test suite: a panic is how a case fails"
+)]
 pub mod testing;
 pub mod trace;
 #[cfg(any(feature = "postgres", feature = "mysql"))]

@@ -483,6 +483,7 @@ impl Statement {
             let end =
                 rest[1..].find(|c: char| !c.is_ascii_alphanumeric()).map_or(rest.len(), |e| e + 1);
             let param = NAMES.iter().find(|(name, _)| *name == &rest[..end]);
+            #[allow(clippy::panic, reason = "the statements are the store's own constants")]
             let (_, param) = param.unwrap_or_else(|| panic!("unknown parameter {}", &rest[..end]));
             params.push(*param);
             sql.push('?');
