@@ -893,6 +893,9 @@ impl RedisStore {
 /// Lists with SCAN (every master of a Cluster, one after the other), reading each key
 /// with [`INSPECT_SCRIPT`]; keys under the prefix that hold no record are skipped.
 /// `purge` answers 0: Redis expires records by itself. `stats` scans every record.
+/// SCAN may return a key twice while Redis resizes its table, so a listing taken
+/// meanwhile can show a record twice and `stats` count it twice; none present
+/// throughout the scan is missed.
 #[async_trait]
 impl admin::Admin for RedisStore {
     async fn inspect(&self, key: &Key) -> Result<Option<admin::Record>, StoreError> {
