@@ -446,16 +446,7 @@ pub async fn unpolled_call_is_stopped_when_resumed<S: Store + ?Sized>(store: &S)
             Ok::<u32, Failure>(1)
         });
     let mut slow = std::pin::pin!(slow);
-    // Polled until the body waits: the key is claimed.
-    let claimed = async {
-        while !started.load(Ordering::SeqCst) {
-            tokio::time::sleep(Duration::from_millis(2)).await;
-        }
-    };
-    tokio::select! {
-        out = &mut slow => panic!("the call ended before its body waited: {out:?}"),
-        () = claimed => {}
-    }
+    poll_until_started(slow.as_mut(), &started).await;
     // Then not polled for two leases, while another consumer takes the key over.
     tokio::time::sleep(LEASE * 2).await;
     assert_eq!(
@@ -466,6 +457,22 @@ pub async fn unpolled_call_is_stopped_when_resumed<S: Store + ?Sized>(store: &S)
     assert!(matches!(late, Err(Error::LeaseLost { attempt: 1, .. })), "{late:?}");
     assert!(!went_on.load(Ordering::SeqCst), "the body went on after another consumer's run");
     assert_eq!(claim_state(store, &key).await, Claim::Done);
+}
+
+/// Polls `call` until its body has `started` (the key is claimed, the body waits).
+async fn poll_until_started<F: Future<Output: std::fmt::Debug>>(
+    mut call: Pin<&mut F>,
+    started: &AtomicBool,
+) {
+    let claimed = async {
+        while !started.load(Ordering::SeqCst) {
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }
+    };
+    tokio::select! {
+        out = &mut call => panic!("the call ended before its body waited: {out:?}"),
+        () = claimed => {}
+    }
 }
 
 /// The same after renewals went unanswered: a call whose lease ran out goes on while
@@ -484,15 +491,7 @@ pub async fn unpolled_again_after_failed_renewals_is_stopped<S: Store + ?Sized>(
             Ok::<u32, Failure>(1)
         });
     let mut slow = std::pin::pin!(slow);
-    let claimed = async {
-        while !started.load(Ordering::SeqCst) {
-            tokio::time::sleep(Duration::from_millis(2)).await;
-        }
-    };
-    tokio::select! {
-        out = &mut slow => panic!("the call ended before its body waited: {out:?}"),
-        () = claimed => {}
-    }
+    poll_until_started(slow.as_mut(), &started).await;
     // Not polled past the lease; then polled for a third of one while every renewal
     // fails: the body goes on waiting.
     tokio::time::sleep(LEASE * 3 / 2).await;
