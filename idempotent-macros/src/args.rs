@@ -1,6 +1,6 @@
 //! The attribute's arguments: collected with their spans, then checked as a whole.
 
-use proc_macro2::Span;
+use proc_macro2::{Span, TokenTree};
 use syn::meta::ParseNestedMeta;
 use syn::spanned::Spanned;
 use syn::{Expr, Ident, Lit, LitBool, LitInt, LitStr, Path};
@@ -138,6 +138,18 @@ impl Args {
     /// Parses one `name = value` argument. Mistakes in a value are recorded in
     /// `errors` and parsing goes on, so one run reports every misuse.
     pub fn parse(&mut self, meta: ParseNestedMeta, errors: &mut Errors) -> syn::Result<()> {
+        if meta.input.peek(syn::Token![=]) && too_long(meta.input.cursor()) {
+            skip_value(&meta)?;
+            errors.at(
+                meta.path.span(),
+                format_args!(
+                    "this value is longer or nested deeper than the attribute parses \
+                     ({MAX_VALUE_TOKENS} tokens, a `<` counting as {ANGLE_WEIGHT}): define \
+                     it outside (a `static`, a `fn`, or a variable) and name that here"
+                ),
+            );
+            return Ok(());
+        }
         let Some(name) = meta.path.get_ident().cloned() else {
             skip_value(&meta)?;
             errors.at(meta.path.span(), format_args!("unknown argument; expected one of: {KNOWN}"));
@@ -288,10 +300,68 @@ impl Args {
     }
 }
 
-/// Consumes `= value` after an unknown name, if present.
+/// The most tokens (those inside brackets too) an argument's value may have. syn's
+/// expression parser recurses once per nesting level (a bracket, a `<`, a unary
+/// operator), each level at least one token: bounding the tokens bounds the depth,
+/// so that a value nested hundreds deep is an error here instead of a compiler crash
+/// (a stack overflow in the parser). Real values are a few dozen tokens.
+const MAX_VALUE_TOKENS: usize = 512;
+/// What a `<` counts for: each level of a type or qualified path takes several times
+/// the stack of other levels (about 200 nested `<` overflow the compiler's 8 MiB).
+const ANGLE_WEIGHT: usize = 8;
+
+/// Whether the value from `cursor` up to the next `,` at its level has more than
+/// [`MAX_VALUE_TOKENS`] tokens, a `<` counting as [`ANGLE_WEIGHT`]. Walks nested groups with a stack of its own: a
+/// recursive walk would overflow on the very inputs it is there to refuse.
+fn too_long(cursor: syn::buffer::Cursor) -> bool {
+    let mut count = 0;
+    let mut top = cursor;
+    let mut nested: Vec<proc_macro2::token_stream::IntoIter> = Vec::new();
+    loop {
+        let tree = match nested.last_mut() {
+            Some(group) => match group.next() {
+                Some(tree) => tree,
+                None => {
+                    nested.pop();
+                    continue;
+                }
+            },
+            None => match top.token_tree() {
+                Some((TokenTree::Punct(p), _)) if p.as_char() == ',' => return false,
+                Some((tree, rest)) => {
+                    top = rest;
+                    tree
+                }
+                None => return false,
+            },
+        };
+        count += match &tree {
+            TokenTree::Punct(p) if p.as_char() == '<' => ANGLE_WEIGHT,
+            _ => 1,
+        };
+        if count > MAX_VALUE_TOKENS {
+            return true;
+        }
+        if let TokenTree::Group(group) = tree {
+            nested.push(group.stream().into_iter());
+        }
+    }
+}
+
+/// Consumes `= value` after an unknown name, if present, up to the next `,`, without
+/// parsing it (it need not be an expression).
 fn skip_value(meta: &ParseNestedMeta) -> syn::Result<()> {
     if meta.input.peek(syn::Token![=]) {
-        let _: Expr = meta.value()?.parse()?;
+        meta.value()?.step(|cursor| {
+            let mut rest = *cursor;
+            while let Some((tree, next)) = rest.token_tree() {
+                if matches!(&tree, TokenTree::Punct(p) if p.as_char() == ',') {
+                    break;
+                }
+                rest = next;
+            }
+            Ok(((), rest))
+        })?;
     }
     Ok(())
 }
@@ -468,6 +538,44 @@ mod tests {
         assert_eq!(similar("max_attempt", known), Some("max_attempts"));
         assert_eq!(similar("store", known), None);
         assert_eq!(similar("x", known), None);
+    }
+
+    /// Each value below nests deep enough to overflow the stack of syn's recursive
+    /// parser (a stack overflow crashes the compiler): it is refused before that,
+    /// with one error, and parsing goes on. (Found by the `key_template` fuzz target.)
+    #[test]
+    fn values_nested_too_deep_are_an_error_not_a_stack_overflow() {
+        use syn::parse::Parser as _;
+        // Brackets nested 10,000 deep would overflow the test's own tokenizer
+        // (proc-macro2's, standing in for the compiler's, which has no such limit).
+        let (deep, brackets) = (10_000, 1_000);
+        for text in [
+            format!("store = {}", "<".repeat(deep)),
+            format!("_ = {}, ttl = 600", "<".repeat(deep)),
+            format!("unknown = {}S", "!".repeat(deep)),
+            format!("store = {}S{}", "(".repeat(brackets), ")".repeat(brackets)),
+            format!("store = {}S{}", "[<".repeat(brackets), ">]".repeat(brackets)),
+            format!("store = {}", "x + ".repeat(deep) + "x"),
+        ] {
+            let (mut args, mut errors) = (super::Args::default(), super::Errors::default());
+            let parsed = syn::meta::parser(|meta| args.parse(meta, &mut errors)).parse_str(&text);
+            assert!(parsed.is_ok(), "{}...: {parsed:?}", &text[..12]);
+            assert_eq!(errors.count(), 1, "{}...", &text[..12]);
+            assert!(args.store.get().is_none());
+            if text.ends_with("ttl = 600") {
+                assert_eq!(
+                    args.ttl.get().map(|t| t.ms),
+                    Some(600_000),
+                    "the next argument is read"
+                );
+            }
+        }
+        // Values of the sizes people write parse as before.
+        let text = "store = &*Box::leak(Box::new(Vec::<Option<Arc<u8>>>::with_capacity((((1))))))";
+        let (mut args, mut errors) = (super::Args::default(), super::Errors::default());
+        syn::meta::parser(|meta| args.parse(meta, &mut errors)).parse_str(text).unwrap();
+        assert_eq!(errors.count(), 0);
+        assert!(args.store.get().is_some());
     }
 
     #[test]
