@@ -436,7 +436,7 @@ pub async fn lost_lease_stops_the_body<S: Store + ?Sized>(store: &S) {
 /// is polled again: the renewal that was due answers before the body goes on, rather
 /// than the body running to its end after the other consumer's run.
 pub async fn unpolled_call_is_stopped_when_resumed<S: Store + ?Sized>(store: &S) {
-    let (key, runs, alerts) = (fresh_key("unpolled"), AtomicU32::new(0), Alerts::default());
+    let (key, alerts) = (fresh_key("unpolled"), Alerts::default());
     let (started, went_on) = (AtomicBool::new(false), AtomicBool::new(false));
     let slow =
         run(Call::new(spec(5), Ok(key.clone())), store, Failure::class, alerts.hook(), async {
@@ -448,15 +448,7 @@ pub async fn unpolled_call_is_stopped_when_resumed<S: Store + ?Sized>(store: &S)
     let mut slow = std::pin::pin!(slow);
     poll_until_started(slow.as_mut(), &started).await;
     // Then not polled for two leases, while another consumer takes the key over.
-    tokio::time::sleep(LEASE * 2).await;
-    assert_eq!(
-        call(store, &key, spec(5), &runs, &alerts, Ok(2)).await.unwrap(),
-        Outcome::Processed(2)
-    );
-    let late = slow.await;
-    assert!(matches!(late, Err(Error::LeaseLost { attempt: 1, .. })), "{late:?}");
-    assert!(!went_on.load(Ordering::SeqCst), "the body went on after another consumer's run");
-    assert_eq!(claim_state(store, &key).await, Claim::Done);
+    stopped_after_takeover(store, &key, slow, &went_on).await;
 }
 
 /// Polls `call` until its body has `started` (the key is claimed, the body waits).
@@ -475,12 +467,34 @@ async fn poll_until_started<F: Future<Output: std::fmt::Debug>>(
     }
 }
 
+/// Leaves `call` unpolled for two leases while another consumer takes `key` over and
+/// runs it; then `call` must end with `LeaseLost`, its body not gone on.
+async fn stopped_after_takeover<S: Store + ?Sized, F>(
+    store: &S,
+    key: &Key,
+    call: Pin<&mut F>,
+    went_on: &AtomicBool,
+) where
+    F: Future<Output = Result<Outcome<u32>, Error<Failure>>>,
+{
+    let (runs, alerts) = (AtomicU32::new(0), Alerts::default());
+    tokio::time::sleep(LEASE * 2).await;
+    assert_eq!(
+        self::call(store, key, spec(5), &runs, &alerts, Ok(2)).await.unwrap(),
+        Outcome::Processed(2)
+    );
+    let late = call.await;
+    assert!(matches!(late, Err(Error::LeaseLost { attempt: 1, .. })), "{late:?}");
+    assert!(!went_on.load(Ordering::SeqCst), "the body went on after another consumer's run");
+    assert_eq!(claim_state(store, key).await, Claim::Done);
+}
+
 /// The same after renewals went unanswered: a call whose lease ran out goes on while
 /// the store cannot answer its renewals, but once the store answers again, a second
 /// time unpolled past a lease, it is stopped by the renewal due meanwhile, not polled
 /// on beside the consumer that took its key over.
 pub async fn unpolled_again_after_failed_renewals_is_stopped<S: Store + ?Sized>(store: &S) {
-    let (key, runs, alerts) = (fresh_key("unpolled-again"), AtomicU32::new(0), Alerts::default());
+    let (key, alerts) = (fresh_key("unpolled-again"), Alerts::default());
     let flaky = Flaky::new(store);
     let (started, went_on) = (AtomicBool::new(false), AtomicBool::new(false));
     let slow =
@@ -504,15 +518,7 @@ pub async fn unpolled_again_after_failed_renewals_is_stopped<S: Store + ?Sized>(
     flaky.refuse_renewals.store(false, Ordering::SeqCst);
     // Unpolled for two leases again (the body's wait ends meanwhile), while another
     // consumer takes the key over.
-    tokio::time::sleep(LEASE * 2).await;
-    assert_eq!(
-        call(store, &key, spec(5), &runs, &alerts, Ok(2)).await.unwrap(),
-        Outcome::Processed(2)
-    );
-    let late = slow.await;
-    assert!(matches!(late, Err(Error::LeaseLost { attempt: 1, .. })), "{late:?}");
-    assert!(!went_on.load(Ordering::SeqCst), "the body went on after another consumer's run");
-    assert_eq!(claim_state(store, &key).await, Claim::Done);
+    stopped_after_takeover(store, &key, slow, &went_on).await;
 }
 
 /// A handler that fails for good after another consumer took its key (renewals were
