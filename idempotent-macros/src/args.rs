@@ -311,8 +311,9 @@ const MAX_VALUE_TOKENS: usize = 512;
 const ANGLE_WEIGHT: usize = 8;
 
 /// Whether the value from `cursor` up to the next `,` at its level has more than
-/// [`MAX_VALUE_TOKENS`] tokens, a `<` counting as [`ANGLE_WEIGHT`]. Walks nested groups with a stack of its own: a
-/// recursive walk would overflow on the very inputs it is there to refuse.
+/// [`MAX_VALUE_TOKENS`] tokens, a `<` counting as [`ANGLE_WEIGHT`]. Walks nested
+/// groups with a stack of its own: a recursive walk would overflow on the very
+/// inputs it is there to refuse.
 fn too_long(cursor: syn::buffer::Cursor) -> bool {
     let mut count = 0;
     let mut top = cursor;

@@ -641,7 +641,8 @@ impl Handler {
             Some(method) => method.body(),
             None => body_block(&func, lend),
         };
-        let (output, call) = match &self.returns {
+        let output = self.returns.output(krate);
+        let call = match &self.returns {
             Returns::Fallible { err, .. } => {
                 // `E: Classify` asked once, at the error type, by a function whose
                 // answer (a `fn` pointer) `run`'s bounds then take without asking again;
@@ -677,8 +678,7 @@ impl Handler {
                         #private::run(#call_var, #store_var, #classify, #on_terminal, #body).await
                     },
                 };
-                let call = quote!(#require_hook #call);
-                (self.returns.output(krate), call)
+                quote!(#require_hook #call)
             }
             Returns::Infallible { ok } => {
                 // A `Result` under another name would have its `Err` recorded as a
@@ -699,10 +699,7 @@ impl Handler {
                     }
                     _ => quote!(),
                 };
-                (
-                    self.returns.output(krate),
-                    quote!(#check #private::run_infallible(#call_var, #store_var, #body).await),
-                )
+                quote!(#check #private::run_infallible(#call_var, #store_var, #body).await)
             }
         };
 
