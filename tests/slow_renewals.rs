@@ -64,60 +64,42 @@ struct Job {
     id: u32,
 }
 
-/// Renewals slower than a thirtieth of the lease, quicker than a third.
-static STORE: std::sync::LazyLock<SlowRenewals> =
-    std::sync::LazyLock::new(|| SlowRenewals(MemoryStore::new(), Duration::from_millis(40)));
-static WENT_ON: AtomicBool = AtomicBool::new(false);
-
-/// Stalls past its lease (its renewals cannot land), then works for a second.
-#[idempotent(key = "job:{id}", store = STORE, lease = "300ms", ttl = 60)]
-async fn slow(msg: &Job) -> Result<(), std::io::Error> {
+/// Stalls past its lease (its renewals cannot land), then works for a second, and
+/// says so in `went_on`.
+#[idempotent(key = "job:{id}", store = store, lease = "300ms", ttl = 60)]
+async fn slow(msg: &Job, store: &SlowRenewals, went_on: &AtomicBool) -> Result<(), std::io::Error> {
     std::thread::sleep(LEASE + Duration::from_millis(100));
     tokio::time::sleep(Duration::from_secs(1)).await;
-    WENT_ON.store(true, Ordering::SeqCst);
+    went_on.store(true, Ordering::SeqCst);
     Ok(())
 }
 
+/// Renewals slower than a thirtieth of the lease, quicker than a third.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_slow_store_still_stops_a_body_whose_key_was_taken() {
-    stops_the_body(&STORE, &WENT_ON, "slow", slow).await;
+    static STORE: std::sync::LazyLock<SlowRenewals> =
+        std::sync::LazyLock::new(|| SlowRenewals(MemoryStore::new(), Duration::from_millis(40)));
+    static WENT_ON: AtomicBool = AtomicBool::new(false);
+    stops_the_body(&STORE, &WENT_ON).await;
 }
 
 /// Renewals slower than a third of the lease, quicker than the lease.
-static SLOWER_STORE: std::sync::LazyLock<SlowRenewals> =
-    std::sync::LazyLock::new(|| SlowRenewals(MemoryStore::new(), Duration::from_millis(200)));
-static SLOWER_WENT_ON: AtomicBool = AtomicBool::new(false);
-
-/// As `slow`, on `SLOWER_STORE`.
-#[idempotent(key = "job:{id}", store = SLOWER_STORE, lease = "300ms", ttl = 60)]
-async fn slower(msg: &Job) -> Result<(), std::io::Error> {
-    std::thread::sleep(LEASE + Duration::from_millis(100));
-    tokio::time::sleep(Duration::from_secs(1)).await;
-    SLOWER_WENT_ON.store(true, Ordering::SeqCst);
-    Ok(())
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_store_slower_than_a_third_of_the_lease_still_stops_it() {
-    stops_the_body(&SLOWER_STORE, &SLOWER_WENT_ON, "slower", slower).await;
+    static STORE: std::sync::LazyLock<SlowRenewals> =
+        std::sync::LazyLock::new(|| SlowRenewals(MemoryStore::new(), Duration::from_millis(200)));
+    static WENT_ON: AtomicBool = AtomicBool::new(false);
+    stops_the_body(&STORE, &WENT_ON).await;
 }
 
-/// Runs `handler` (which stalls past its lease, then works; its keys in `namespace`)
-/// and takes its key over meanwhile: the body must be stopped, and the takeover's
-/// claim left to complete.
-async fn stops_the_body<F>(
-    store: &'static SlowRenewals,
-    went_on: &'static AtomicBool,
-    namespace: &str,
-    handler: fn(&'static Job) -> F,
-) where
-    F: Future<Output = Result<idempotent::Outcome<()>, Error<std::io::Error>>> + Send + 'static,
-{
+/// Runs `slow` on `store` and takes its key over meanwhile: the body must be
+/// stopped, and the takeover's claim left to complete.
+async fn stops_the_body(store: &'static SlowRenewals, went_on: &'static AtomicBool) {
     static JOB: Job = Job { id: 1 };
-    let first = tokio::spawn(handler(&JOB));
+    let first = tokio::spawn(slow(&JOB, store, went_on));
     // After the first claim's lease ran out, another consumer takes the key.
     tokio::time::sleep(LEASE + Duration::from_millis(50)).await;
-    let key = Key::new(namespace, "job:1").unwrap();
+    let key = Key::new("slow", "job:1").unwrap();
     let Claim::Won { token, .. } =
         store.claim(&key, LEASE * 10, Duration::from_secs(60), None).await.unwrap()
     else {
