@@ -10,7 +10,7 @@
 //! [--plain-only]` (`--plain-only`: no `#[idempotent]` passes, to see the memory a
 //! deep backlog takes without filling Redis with records)
 //! (all four brokers by default: Redis at `REDIS_URL`, RabbitMQ at `AMQP_URL`, NATS at
-//! `NATS_URL`; Kafka is a `tansu` broker the bench starts).
+//! `NATS_URL`; Kafka is an Apache Kafka broker the bench starts).
 
 #[path = "../tests/support/kafka.rs"]
 mod kafka;
@@ -327,7 +327,7 @@ async fn kafka(
 ) -> Duration {
     use rdkafka::producer::{FutureProducer, FutureRecord};
     static BROKER: std::sync::OnceLock<kafka::Broker> = std::sync::OnceLock::new();
-    let broker = BROKER.get_or_init(|| kafka::Broker::start().expect("tansu, to run a broker"));
+    let broker = BROKER.get_or_init(|| kafka::Broker::start().expect("Java, to run Apache Kafka"));
     let topic = format!("bench-{}", Token::random());
     let dead = format!("{topic}.dead");
     broker.create_topics(&[(&topic, 3), (&dead, 1)]).await;

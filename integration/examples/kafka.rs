@@ -1,9 +1,8 @@
 //! An idempotent Kafka consumer: publishes orders (every fifth twice) to a topic,
 //! consumes them in a consumer group, commits each offset only after the outcome is
 //! recorded, sends failed orders to a dead-letter topic.
-//! `cargo run -p idempotent-integration --example kafka` (a Kafka-protocol broker at
-//! `KAFKA_BROKERS`, default `127.0.0.1:9092`; e.g. `tansu broker --listener-url
-//! tcp://127.0.0.1:9092 --advertised-listener-url tcp://127.0.0.1:9092`).
+//! `cargo run -p idempotent-integration --example kafka` (a Kafka broker at
+//! `KAFKA_BROKERS`, default `127.0.0.1:9092`, as `bash .ci/services` starts it).
 
 use std::time::Duration;
 

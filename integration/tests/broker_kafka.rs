@@ -1,5 +1,5 @@
-//! Kafka, end to end, against a real Kafka-protocol broker (`tansu`, started by the
-//! test on a free port): 2,000 published records of which 20% are redelivered
+//! Kafka, end to end, against Apache Kafka (a broker started by the test on free
+//! ports): 2,000 published records of which 20% are redelivered
 //! duplicates, two group members, one hung mid-handler and killed then restarted,
 //! retryable and terminal handler errors. Every unique message must take effect
 //! exactly once, nothing may be lost (the group's committed offsets reach the end of

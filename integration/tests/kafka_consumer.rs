@@ -1,4 +1,4 @@
-//! The Kafka consumer's own guarantees, against a `tansu` broker of the test's own:
+//! The Kafka consumer's own guarantees, against an Apache Kafka broker of the test's own:
 //! a `next` dropped mid-record loses nothing, a retry pauses only its own partition,
 //! a dead letter keeps its headers and says where it came from, and a header key that
 //! is not UTF-8 (which rdkafka's own accessors panic on) is read like any other.

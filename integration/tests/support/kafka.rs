@@ -1,11 +1,11 @@
-//! A Kafka-protocol broker of the test's own: `tansu`, on a free loopback port,
-//! keeping everything in memory. Outside CI a machine without `tansu` skips the test
-//! with a message; under `CI` it fails.
+//! An Apache Kafka broker of the test's own (KRaft, one node, from the jars
+//! `.ci/services` caches), on free loopback ports, its data in a fresh directory. It
+//! can be killed (SIGKILL) and restarted on its data. Outside CI a machine without Java
+//! skips the test with a message; under `CI` it fails.
 #![allow(dead_code)]
 
-use std::net::TcpListener;
-use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
+use std::path::PathBuf;
+use std::time::Duration;
 
 use idempotent::consume::kafka::KafkaContext;
 use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
@@ -13,36 +13,44 @@ use rdkafka::client::DefaultClientContext;
 use rdkafka::config::ClientConfig;
 use rdkafka::consumer::{Consumer, StreamConsumer};
 
+#[path = "brokers.rs"]
+mod brokers;
+
 pub struct Broker {
-    child: Child,
+    server: brokers::Server,
+    dir: PathBuf,
     pub address: String,
 }
 
 impl Broker {
     pub fn start() -> Option<Broker> {
-        if Command::new("tansu").arg("--help").output().is_err() {
-            assert!(std::env::var_os("CI").is_none(), "CI needs the tansu broker");
-            eprintln!(
-                "skipped: tansu is not installed (cargo install tansu --locked --features dynostore)"
-            );
+        Broker::start_with(&[])
+    }
+
+    /// A broker with more `server.properties` lines.
+    pub fn start_with(settings: &[(&str, &str)]) -> Option<Broker> {
+        if !brokers::have_java() {
             return None;
         }
-        let port = TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
-        let url = format!("tcp://127.0.0.1:{port}");
-        let child = Command::new("tansu")
-            .args(["broker", "--listener-url", &url, "--advertised-listener-url", &url])
-            .args(["--storage-engine", "memory://tansu/"])
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap();
-        let address = format!("127.0.0.1:{port}");
-        let deadline = Instant::now() + Duration::from_secs(20);
-        while std::net::TcpStream::connect(&address).is_err() {
-            assert!(Instant::now() < deadline, "tansu did not start");
-            std::thread::sleep(Duration::from_millis(50));
-        }
-        Some(Broker { child, address })
+        let dir = brokers::fresh_dir("kafka");
+        let port = brokers::free_ports(2);
+        let mut args = vec![dir.display().to_string(), port.to_string(), (port + 1).to_string()];
+        let extra: String = settings.iter().map(|(k, v)| format!("{k}={v}\n")).collect();
+        std::fs::write(dir.join("extra.properties"), &extra).unwrap();
+        args.push(dir.join("extra.properties").display().to_string());
+        let server =
+            brokers::Server::start("kafka", args, dir.join("server.log"), "Kafka Server started");
+        Some(Broker { server, dir, address: format!("127.0.0.1:{port}") })
+    }
+
+    /// Kills the broker at once (SIGKILL), as a crash.
+    pub fn kill(&mut self) {
+        self.server.kill();
+    }
+
+    /// Starts the killed broker again on its data and port.
+    pub fn restart(&mut self) {
+        self.server.restart();
     }
 
     pub fn config(&self) -> ClientConfig {
@@ -94,7 +102,7 @@ impl Broker {
 
 impl Drop for Broker {
     fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
+        self.server.kill();
+        let _ = std::fs::remove_dir_all(&self.dir);
     }
 }

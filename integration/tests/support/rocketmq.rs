@@ -1,165 +1,100 @@
-//! A RocketMQ cluster of the test's own: a name server and one broker (the Rust
-//! implementation, `rocketmq-namesrv-rust` and `rocketmq-broker-rust`), on free
-//! loopback ports, storing in a fresh directory under `/dev/shm` (the broker refuses
-//! to start on a disk over 90% full). Outside CI a machine without them skips the
-//! test with a message; under `CI` it fails.
+//! An Apache RocketMQ cluster of the test's own: a name server and one broker (the
+//! Java servers, from the jars `.ci/services` caches), on free loopback ports, storing
+//! in a fresh directory. The broker can be killed (SIGKILL) and restarted on its
+//! store. Outside CI a machine without Java skips the test with a message; under `CI`
+//! it fails.
 #![allow(dead_code)]
 
-use std::net::TcpListener;
 use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
+
+#[path = "brokers.rs"]
+mod brokers;
 
 pub struct Cluster {
-    name_server: Child,
-    broker: Child,
+    broker: brokers::Server,
+    name_server: brokers::Server,
     dir: PathBuf,
     /// The name server's `host:port`.
     pub name_server_address: String,
 }
 
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
-}
-
-/// A port `p` such that `p` and `p - 2` are free: the broker also listens two below
-/// its port.
-fn free_broker_port() -> u16 {
-    loop {
-        let below = free_port();
-        let port = below + 2;
-        if TcpListener::bind(("127.0.0.1", port)).is_ok() {
-            return port;
-        }
-    }
-}
-
-fn wait_for(what: &str, mut ready: impl FnMut() -> bool, log: &std::path::Path) {
-    let deadline = Instant::now() + Duration::from_secs(60);
-    while !ready() {
-        let log = std::fs::read_to_string(log).unwrap_or_default();
-        assert!(Instant::now() < deadline, "{what} did not start:\n{log}");
-        std::thread::sleep(Duration::from_millis(100));
-    }
-}
-
 impl Cluster {
     pub fn start() -> Option<Cluster> {
-        for binary in ["rocketmq-namesrv-rust", "rocketmq-broker-rust"] {
-            if which(binary).is_none() {
-                assert!(std::env::var_os("CI").is_none(), "CI needs {binary}");
-                eprintln!(
-                    "skipped: {binary} is not installed \
-                     (cargo install --locked rocketmq-namesrv rocketmq-broker)"
-                );
-                return None;
-            }
+        if !brokers::have_java() {
+            return None;
         }
-        let base = if std::path::Path::new("/dev/shm").is_dir() {
-            PathBuf::from("/dev/shm")
-        } else {
-            std::env::temp_dir()
-        };
-        let dir = base.join(format!("idempotent-rocketmq-{}", idempotent::publish::message_id()));
-        std::fs::create_dir_all(dir.join("store")).unwrap();
-
-        let ns_port = free_port();
+        let dir = brokers::fresh_dir("rocketmq");
+        let ns_port = brokers::free_port();
         let name_server_address = format!("127.0.0.1:{ns_port}");
-        let ns_log = dir.join("namesrv.log");
-        let name_server = Command::new("rocketmq-namesrv-rust")
-            .args(["--listenPort", &ns_port.to_string(), "--bindAddress", "127.0.0.1"])
-            .arg("--rocketmqHome")
-            .arg(&dir)
-            .arg("--kvConfigPath")
-            .arg(dir.join("kvConfig.json"))
-            .env("HOME", &dir)
-            .env("ROCKETMQ_HOME", &dir)
-            .stdout(Stdio::from(std::fs::File::create(&ns_log).unwrap()))
-            .stderr(Stdio::from(std::fs::File::create(dir.join("namesrv.err")).unwrap()))
-            .spawn()
-            .unwrap();
-        wait_for(
-            "the name server",
-            || std::net::TcpStream::connect(&name_server_address).is_ok(),
-            &ns_log,
+        let name_server = brokers::Server::start(
+            "rocketmq-namesrv",
+            vec![dir.join("namesrv").display().to_string(), ns_port.to_string()],
+            dir.join("namesrv.log"),
+            "boot success",
         );
-
-        let port = free_broker_port();
-        let (ha_port, health_port) = (free_port(), free_port());
-        let store = dir.join("store");
-        let config = format!(
-            r#"[broker]
-brokerIp1 = "127.0.0.1"
-listenPort = {port}
-namesrvAddr = "{name_server_address}"
-storePathRootDir = "{store}"
-authConfigPath = "{auth}"
-autoCreateTopicEnable = true
-
-[broker.brokerServerConfig]
-bindAddress = "127.0.0.1"
-
-[broker.brokerIdentity]
-brokerName = "broker-a"
-brokerClusterName = "DefaultCluster"
-brokerId = 0
-
-[store]
-haListenPort = {ha_port}
-storePathRootDir = "{store}"
-mappedFileSizeCommitLog = 67108864
-"#,
-            store = store.display(),
-            auth = dir.join("auth").display(),
+        // The broker listens on its port, two below it and one above.
+        let port = brokers::free_ports(4) + 2;
+        let broker = brokers::Server::start(
+            "rocketmq-broker",
+            vec![
+                dir.join("broker").display().to_string(),
+                port.to_string(),
+                name_server_address.clone(),
+            ],
+            dir.join("broker.log"),
+            "boot success",
         );
-        let config_path = dir.join("broker.toml");
-        std::fs::write(&config_path, config).unwrap();
-        let broker_log = dir.join("broker.log");
-        let broker = Command::new("rocketmq-broker-rust")
-            .arg("-c")
-            .arg(&config_path)
-            .env("HOME", &dir)
-            .env("ROCKETMQ_HOME", &dir)
-            .env("ROCKETMQ_HEALTH_BIND_ADDR", format!("127.0.0.1:{health_port}"))
-            .stdout(Stdio::from(std::fs::File::create(&broker_log).unwrap()))
-            .stderr(Stdio::from(std::fs::File::create(dir.join("broker.err")).unwrap()))
-            .spawn()
-            .unwrap();
-        let cluster = Cluster { name_server, broker, dir, name_server_address };
-        wait_for("the broker", || ready(health_port), &broker_log);
+        let cluster = Cluster { broker, name_server, dir, name_server_address };
+        cluster.wait_registered(1);
         Some(cluster)
     }
 
-    /// The directory holding the servers' logs and store.
+    /// Waits until the broker has registered with the name server `starts` times: a
+    /// client that asks for a route before that is refused.
+    fn wait_registered(&self, starts: usize) {
+        let log = self.dir.join("broker/logs/rocketmqlogs/broker.log");
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+        loop {
+            let text = std::fs::read_to_string(&log).unwrap_or_default();
+            if text.matches("Registering current broker to name server completed").count() >= starts
+            {
+                return;
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "the broker never registered: see {}",
+                log.display()
+            );
+            std::thread::sleep(std::time::Duration::from_millis(100));
+        }
+    }
+
+    /// Kills the broker at once (SIGKILL), as a crash; the name server stays.
+    pub fn kill_broker(&mut self) {
+        self.broker.kill();
+    }
+
+    /// Starts the killed broker again on its store and ports.
+    pub fn restart_broker(&mut self) {
+        let registered =
+            std::fs::read_to_string(self.dir.join("broker/logs/rocketmqlogs/broker.log"))
+                .unwrap_or_default()
+                .matches("Registering current broker to name server completed")
+                .count();
+        self.broker.restart();
+        self.wait_registered(registered + 1);
+    }
+
+    /// The directory holding the servers' logs and stores.
     pub fn dir(&self) -> &std::path::Path {
         &self.dir
     }
 }
 
-/// Whether the broker's health endpoint answers `/readyz` with 200.
-fn ready(port: u16) -> bool {
-    use std::io::{Read, Write};
-    let Ok(mut stream) = std::net::TcpStream::connect(("127.0.0.1", port)) else { return false };
-    let request = "GET /readyz HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n";
-    if stream.write_all(request.as_bytes()).is_err() {
-        return false;
-    }
-    let mut answer = String::new();
-    let _ = stream.read_to_string(&mut answer);
-    answer.starts_with("HTTP/1.1 200") || answer.starts_with("HTTP/1.0 200")
-}
-
-fn which(binary: &str) -> Option<PathBuf> {
-    let path = std::env::var_os("PATH")?;
-    std::env::split_paths(&path).map(|dir| dir.join(binary)).find(|p| p.is_file())
-}
-
 impl Drop for Cluster {
     fn drop(&mut self) {
-        for child in [&mut self.broker, &mut self.name_server] {
-            let _ = child.kill();
-            let _ = child.wait();
-        }
+        self.broker.kill();
+        self.name_server.kill();
         let _ = std::fs::remove_dir_all(&self.dir);
     }
 }
