@@ -1,4 +1,7 @@
-//! Kafka consumer groups, through `rdkafka` (a bundled librdkafka).
+//! Kafka consumer groups, through `rdkafka` (a bundled librdkafka): at least once
+//! ([`KafkaConsumer`], offsets committed after each outcome is recorded) or exactly
+//! once for what is produced back to Kafka ([`ExactlyOnceConsumer`], outputs and
+//! offsets in one transaction).
 
 use std::collections::HashMap;
 use std::future::Future;
@@ -14,6 +17,10 @@ use rdkafka::producer::{FutureProducer, FutureRecord};
 use rdkafka::types::RDKafkaErrorCode;
 use rdkafka::{ClientContext, Offset, Timestamp, TopicPartitionList};
 use tokio::time::Instant;
+
+mod exactly_once;
+
+pub use exactly_once::{ExactlyOnceConsumer, Output, OutputRecord, Produced, Transformed};
 
 use super::DEFAULT_CONCURRENCY;
 use super::concurrent::settle_concurrently;
@@ -43,6 +50,26 @@ pub struct KafkaMessage {
     /// `key = "{message_id}"`. Empty when it has none (or it is not UTF-8), so a key
     /// using it is a key error.
     pub message_id: String,
+}
+
+impl KafkaMessage {
+    /// A copy of a received record.
+    fn of(record: &rdkafka::message::BorrowedMessage<'_>) -> KafkaMessage {
+        let headers = headers(record);
+        KafkaMessage {
+            topic: record.topic().to_owned(),
+            partition: record.partition(),
+            offset: record.offset(),
+            key: record.key().map(<[u8]>::to_vec),
+            payload: record.payload().map(<[u8]>::to_vec).unwrap_or_default(),
+            timestamp: match record.timestamp() {
+                Timestamp::NotAvailable => None,
+                Timestamp::CreateTime(t) | Timestamp::LogAppendTime(t) => Some(t),
+            },
+            message_id: message_id(&headers),
+            headers,
+        }
+    }
 }
 
 /// The value is the payload, for `{/json/pointer}` keys and `validate`.
@@ -540,20 +567,7 @@ impl KafkaConsumer {
                 () = rewound => continue,
             }
         };
-        let headers = headers(&record);
-        let message = KafkaMessage {
-            topic: record.topic().to_owned(),
-            partition: record.partition(),
-            offset: record.offset(),
-            key: record.key().map(<[u8]>::to_vec),
-            payload: record.payload().map(<[u8]>::to_vec).unwrap_or_default(),
-            timestamp: match record.timestamp() {
-                Timestamp::NotAvailable => None,
-                Timestamp::CreateTime(t) | Timestamp::LogAppendTime(t) => Some(t),
-            },
-            message_id: message_id(&headers),
-            headers,
-        };
+        let message = KafkaMessage::of(&record);
         drop(record);
         let partition = (message.topic.clone(), message.partition);
         let mut state = self.consumer.context().state();
@@ -712,23 +726,7 @@ impl KafkaConsumer {
         message: &KafkaMessage,
         source: bool,
     ) -> Result<(), KafkaError> {
-        let mut headers = OwnedHeaders::new();
-        for (key, value) in &message.headers {
-            headers = headers.insert(Header { key, value: value.as_deref() });
-        }
-        let (partition, offset) = (message.partition.to_string(), message.offset.to_string());
-        if source {
-            headers = headers
-                .insert(Header {
-                    key: "idempotent-source-topic",
-                    value: Some(message.topic.as_bytes()),
-                })
-                .insert(Header {
-                    key: "idempotent-source-partition",
-                    value: Some(partition.as_bytes()),
-                })
-                .insert(Header { key: "idempotent-source-offset", value: Some(offset.as_bytes()) });
-        }
+        let headers = dead_letter_headers(message, source);
         let mut record =
             FutureRecord::to(&self.dead_letter_topic).payload(&message.payload).headers(headers);
         if let Some(key) = &message.key {
@@ -741,6 +739,29 @@ impl KafkaConsumer {
             Err(_) => Err(KafkaError::MessageProduction(RDKafkaErrorCode::MessageTimedOut)),
         }
     }
+}
+
+/// A dead letter's headers: the record's own, and (with `source`) where it came from,
+/// as `idempotent-source-topic`, `-partition` and `-offset`.
+fn dead_letter_headers(message: &KafkaMessage, source: bool) -> OwnedHeaders {
+    let mut headers = OwnedHeaders::new();
+    for (key, value) in &message.headers {
+        headers = headers.insert(Header { key, value: value.as_deref() });
+    }
+    if source {
+        let (partition, offset) = (message.partition.to_string(), message.offset.to_string());
+        headers = headers
+            .insert(Header {
+                key: "idempotent-source-topic",
+                value: Some(message.topic.as_bytes()),
+            })
+            .insert(Header {
+                key: "idempotent-source-partition",
+                value: Some(partition.as_bytes()),
+            })
+            .insert(Header { key: "idempotent-source-offset", value: Some(offset.as_bytes()) });
+    }
+    headers
 }
 
 /// The records handled one after the other, in offset order: those of one partition

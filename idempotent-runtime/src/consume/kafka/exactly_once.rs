@@ -1,0 +1,823 @@
+//! Exactly-once consume-transform-produce: the records a handler produces and the
+//! offsets it consumed commit in one Kafka transaction.
+
+use std::collections::{BTreeMap, HashMap};
+use std::future::Future;
+use std::panic::AssertUnwindSafe;
+use std::sync::{Mutex, PoisonError};
+use std::time::Duration;
+
+use futures_util::{FutureExt as _, StreamExt as _};
+use rdkafka::consumer::{Consumer, StreamConsumer};
+use rdkafka::error::KafkaError;
+use rdkafka::message::{Header, OwnedHeaders};
+use rdkafka::producer::{DeliveryFuture, FutureProducer, FutureRecord, Producer};
+use rdkafka::types::RDKafkaErrorCode;
+use rdkafka::{Offset, TopicPartitionList};
+use serde::{Deserialize, Serialize};
+use tokio::time::Instant;
+
+use super::{KafkaContext, KafkaMessage, Rewind, dead_letter_headers};
+use crate::consume::{Answer, DEFAULT_CONCURRENCY, deadline_after};
+use crate::metrics::ConsumerMeter;
+use crate::{Disposition, DispositionExt, Error, Outcome};
+
+/// A record for the transaction to produce.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct OutputRecord {
+    /// The topic to produce to.
+    pub topic: String,
+    /// The partition, or `None` for the producer's partitioner (by key).
+    pub partition: Option<i32>,
+    /// The key, if any.
+    pub key: Option<Vec<u8>>,
+    /// The value.
+    pub payload: Vec<u8>,
+    /// Headers, in order.
+    pub headers: Vec<(String, Vec<u8>)>,
+}
+
+impl OutputRecord {
+    /// A record for `topic`, with no key, an empty value and no headers.
+    pub fn to(topic: impl Into<String>) -> OutputRecord {
+        OutputRecord {
+            topic: topic.into(),
+            partition: None,
+            key: None,
+            payload: Vec::new(),
+            headers: Vec::new(),
+        }
+    }
+
+    /// Sets the key.
+    pub fn key(mut self, key: impl Into<Vec<u8>>) -> Self {
+        self.key = Some(key.into());
+        self
+    }
+
+    /// Sets the value.
+    pub fn payload(mut self, payload: impl Into<Vec<u8>>) -> Self {
+        self.payload = payload.into();
+        self
+    }
+
+    /// Sets the partition.
+    pub fn partition(mut self, partition: i32) -> Self {
+        self.partition = Some(partition);
+        self
+    }
+
+    /// Adds a header.
+    pub fn header(mut self, name: impl Into<String>, value: impl Into<Vec<u8>>) -> Self {
+        self.headers.push((name.into(), value.into()));
+        self
+    }
+}
+
+/// What a handler of an [`ExactlyOnceConsumer`] returns on success: the records to
+/// produce for one consumed record, and which record that was.
+///
+/// Cached by `#[idempotent(cache = true)]`, it is what a duplicate replays: the
+/// consumer produces the replayed records again only if the transaction of the record
+/// that first produced them did not commit (see [`ExactlyOnceConsumer`]).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Produced {
+    /// The consumed record's topic, partition and offset.
+    pub origin: (String, i32, i64),
+    /// The records to produce, in order.
+    pub records: Vec<OutputRecord>,
+}
+
+impl Produced {
+    /// Nothing produced yet, for `message`.
+    pub fn by(message: &KafkaMessage) -> Produced {
+        Produced {
+            origin: (message.topic.clone(), message.partition, message.offset),
+            records: Vec::new(),
+        }
+    }
+
+    /// Adds a record to produce.
+    pub fn record(mut self, record: OutputRecord) -> Self {
+        self.records.push(record);
+        self
+    }
+}
+
+/// A handler's result that an [`ExactlyOnceConsumer`] can settle: its disposition, and
+/// the records to produce. Implemented for what an `#[idempotent]` handler returning
+/// [`Produced`] answers.
+pub trait Transformed: DispositionExt {
+    /// The records the call produced, and whether it ran now.
+    fn produced(&self) -> Output<'_>;
+}
+
+/// The records a call hands the transaction.
+#[derive(Debug, Clone, Copy)]
+pub enum Output<'a> {
+    /// The handler ran now: produce these.
+    New(&'a Produced),
+    /// A duplicate that replays an earlier call's records.
+    Replayed(&'a Produced),
+    /// Nothing to produce: a failure, or a duplicate without a cached result.
+    Nothing,
+}
+
+impl<E> Transformed for Result<Outcome<Produced>, Error<E>> {
+    fn produced(&self) -> Output<'_> {
+        match self {
+            Ok(Outcome::Processed(p) | Outcome::ProcessedNotCached { value: p, .. }) => {
+                Output::New(p)
+            }
+            Ok(Outcome::Replayed(p)) => Output::Replayed(p),
+            _ => Output::Nothing,
+        }
+    }
+}
+
+/// A consumer-group member that processes each record exactly once as Kafka sees it:
+/// the records its handler produces and the consumed offsets commit together in one
+/// Kafka transaction, or neither does (KIP-98), and a member that lost its partitions
+/// cannot commit them (KIP-447: the transaction carries the group's generation).
+/// Readers downstream must read with `isolation.level=read_committed` (librdkafka's
+/// default).
+///
+/// The consumer is created as for [`KafkaConsumer`](super::KafkaConsumer)
+/// (`enable.auto.commit=false`, a [`KafkaContext`]); the producer with a
+/// `transactional.id` of its own (one per process: the group's generation fences a
+/// zombie, not the id). [`new`](ExactlyOnceConsumer::new) initializes its
+/// transactions, fencing an earlier producer with the same id.
+///
+/// [`run`](ExactlyOnceConsumer::run) reads a batch (up to
+/// [`max_batch`](ExactlyOnceConsumer::max_batch) records, or what arrives within
+/// [`commit_interval`](ExactlyOnceConsumer::commit_interval) of the first), begins a
+/// transaction, and hands each record to the handler: the records of one partition one
+/// after the other in offset order, up to
+/// [`concurrency`](ExactlyOnceConsumer::concurrency) partitions at once. Each record
+/// is settled by its result:
+///
+/// * Ack → the handler's [`Produced`] records are produced in the transaction, and
+///   the partition's offset moves past the record;
+/// * DeadLetter → the record is produced to the dead-letter topic in the transaction
+///   (with `idempotent-source-topic`, `-partition`, `-offset` headers), and the offset
+///   moves past it;
+/// * Retry → the partition stops at the record for this batch: nothing of it or of
+///   its later records is produced, its offset stays before it, and after the
+///   transaction the partition is sought back to it and paused for the retry delay;
+/// * a panic → the transaction is aborted, every partition of the batch rewound, and
+///   the panic resumed: nothing of the batch is visible.
+///
+/// Then the offsets are sent to the transaction with the consumer's group metadata and
+/// the transaction committed. A transaction that cannot commit (the group rebalanced,
+/// a broker failed) is aborted and every partition of the batch rewound to where the
+/// batch began: its records are handled again, and nothing of the aborted attempt is
+/// ever visible to a `read_committed` reader. A fatal producer error (another producer
+/// with the same `transactional.id` fenced this one) ends `run` with the error.
+///
+/// A duplicate whose `#[idempotent(cache = true)]` result is replayed
+/// ([`Output::Replayed`]) produces its records again only if the record that first
+/// produced them was never committed (its transaction aborted, as after a crash): if
+/// its partition's committed offset is past it, the duplicate produces nothing; if it
+/// is this very record, handled again after an abort, the records are produced again;
+/// if it is another record not committed yet, the duplicate is retried until that
+/// one's transaction is decided. So each record is produced once even when the
+/// producer upstream sent the same business message twice. A duplicate without a
+/// cached result produces nothing (use `cache = true`).
+///
+/// ```no_run
+/// # async fn demo() -> Result<(), rdkafka::error::KafkaError> {
+/// use idempotent::consume::kafka::{ExactlyOnceConsumer, KafkaContext, KafkaMessage};
+/// use idempotent::consume::kafka::{OutputRecord, Produced};
+/// use idempotent::{MemoryStore, idempotent};
+/// use rdkafka::ClientConfig;
+/// use rdkafka::consumer::{Consumer, StreamConsumer};
+/// use rdkafka::producer::FutureProducer;
+///
+/// #[idempotent(key = "order:{/id}", store = store, cache = true)]
+/// async fn invoice(msg: KafkaMessage, store: &MemoryStore) -> Result<Produced, std::io::Error> {
+///     let invoice = OutputRecord::to("invoices").key(msg.key.clone().unwrap_or_default());
+///     Ok(Produced::by(&msg).record(invoice.payload(msg.payload.clone())))
+/// }
+///
+/// let consumer: StreamConsumer<KafkaContext> = ClientConfig::new()
+///     .set("bootstrap.servers", "127.0.0.1:9092")
+///     .set("group.id", "invoicing")
+///     .set("enable.auto.commit", "false")
+///     .create_with_context(KafkaContext::default())?;
+/// consumer.subscribe(&["orders"])?;
+/// let producer: FutureProducer = ClientConfig::new()
+///     .set("bootstrap.servers", "127.0.0.1:9092")
+///     .set("transactional.id", format!("invoicing-{}", std::process::id()))
+///     .create()?;
+/// let store = MemoryStore::new();
+/// let consumer = ExactlyOnceConsumer::new(consumer, producer, "orders.dead")?;
+/// consumer.run(|msg| invoice(msg, &store)).await
+/// # }
+/// ```
+pub struct ExactlyOnceConsumer {
+    consumer: StreamConsumer<KafkaContext>,
+    producer: FutureProducer,
+    dead_letter_topic: String,
+    retry_delay: Duration,
+    concurrency: usize,
+    commit_interval: Duration,
+    max_batch: usize,
+    timeout: Duration,
+    state: Mutex<State>,
+}
+
+/// What the consumer knows of its partitions and its transaction.
+#[derive(Default)]
+struct State {
+    /// Per partition, for the assignment it was learnt in: the first offset received,
+    /// and the offset this member last committed.
+    partitions: HashMap<(String, i32), Seen>,
+    /// A transaction was begun and neither committed nor aborted (its `run` was
+    /// dropped): aborted before the next one begins.
+    open: bool,
+}
+
+#[derive(Clone, Copy)]
+struct Seen {
+    epoch: u64,
+    first: i64,
+    committed: Option<i64>,
+}
+
+/// A record of the batch, with its partition's assignment when it was received.
+struct Taken {
+    message: KafkaMessage,
+    epoch: u64,
+}
+
+/// How a partition's records in a batch were settled.
+#[derive(Default)]
+struct Settled {
+    /// Past the last record settled (acked or dead-lettered), if any.
+    next: Option<i64>,
+    /// The record left for retry, its partition's assignment, and when it is due.
+    retry: Option<(i64, u64, Instant)>,
+    /// Deliveries of what the partition's records produced.
+    sent: Vec<DeliveryFuture>,
+    /// The handler panicked: its payload.
+    panic: Option<Box<dyn std::any::Any + Send>>,
+    /// Producing failed.
+    error: Option<KafkaError>,
+}
+
+impl ExactlyOnceConsumer {
+    /// Wraps a subscribed consumer created with a [`KafkaContext`] and a producer with
+    /// a `transactional.id`; dead letters go to `dead_letter_topic`. Initializes the
+    /// producer's transactions (blocking, up to 30 s), which fences any earlier
+    /// producer with the same id and aborts its open transaction.
+    pub fn new(
+        consumer: StreamConsumer<KafkaContext>,
+        producer: FutureProducer,
+        dead_letter_topic: impl Into<String>,
+    ) -> Result<ExactlyOnceConsumer, KafkaError> {
+        if consumer.group_metadata().is_none() {
+            return Err(KafkaError::ClientCreation(
+                "exactly-once commits offsets for a consumer group: set the consumer's group.id"
+                    .into(),
+            ));
+        }
+        let timeout = Duration::from_secs(30);
+        producer.init_transactions(timeout)?;
+        Ok(ExactlyOnceConsumer {
+            consumer,
+            producer,
+            dead_letter_topic: dead_letter_topic.into(),
+            retry_delay: Duration::from_millis(500),
+            concurrency: DEFAULT_CONCURRENCY,
+            commit_interval: Duration::from_millis(100),
+            max_batch: 500,
+            timeout,
+            state: Mutex::new(State::default()),
+        })
+    }
+
+    /// How many partitions a batch handles at once (one record of each at a time);
+    /// default [`DEFAULT_CONCURRENCY`] (32).
+    pub fn concurrency(mut self, partitions: usize) -> Self {
+        self.concurrency = partitions.max(1);
+        self
+    }
+
+    /// How long a batch gathers records after its first before its transaction
+    /// begins; default 100 ms. Longer batches mean fewer transactions (each costs a
+    /// few round trips to the broker) and later visibility downstream.
+    pub fn commit_interval(mut self, interval: Duration) -> Self {
+        self.commit_interval = interval;
+        self
+    }
+
+    /// The most records one transaction handles; default 500.
+    pub fn max_batch(mut self, records: usize) -> Self {
+        self.max_batch = records.max(1);
+        self
+    }
+
+    /// How long a partition with a record left for retry pauses when the result does
+    /// not say; default 500 ms.
+    pub fn retry_delay(mut self, delay: Duration) -> Self {
+        self.retry_delay = delay;
+        self
+    }
+
+    /// The wrapped consumer.
+    pub fn consumer(&self) -> &StreamConsumer<KafkaContext> {
+        &self.consumer
+    }
+
+    /// Handles batches, each in one transaction, until receiving fails or the
+    /// producer meets a fatal error (see the type's documentation). Dropped mid-batch,
+    /// the batch's transaction is left open, and its partitions rewound to where it
+    /// began; the next `run` aborts it first.
+    pub async fn run<F, Fut, R>(&self, handler: F) -> Result<(), KafkaError>
+    where
+        F: FnMut(KafkaMessage) -> Fut,
+        Fut: Future<Output = R>,
+        R: Transformed,
+    {
+        let meter = ConsumerMeter::new("kafka", &self.topics());
+        let handler = Mutex::new(handler);
+        loop {
+            if std::mem::take(&mut self.state().open) {
+                self.blocking(|p, t| p.abort_transaction(t)).await?;
+            }
+            let batch = self.gather().await?;
+            if batch.is_empty() {
+                continue;
+            }
+            meter.taken(batch.values().map(Vec::len).sum());
+            self.transact(batch, &handler, &meter).await?;
+        }
+    }
+
+    fn state(&self) -> std::sync::MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    fn topics(&self) -> String {
+        match self.consumer.subscription() {
+            Ok(list) => {
+                let mut topics: Vec<String> =
+                    list.elements().iter().map(|e| e.topic().to_owned()).collect();
+                topics.dedup();
+                topics.join(",")
+            }
+            Err(_) => String::new(),
+        }
+    }
+
+    /// Runs a blocking call of the transactional producer off the async threads.
+    async fn blocking<T: Send + 'static>(
+        &self,
+        call: impl FnOnce(&FutureProducer, Duration) -> Result<T, KafkaError> + Send + 'static,
+    ) -> Result<T, KafkaError> {
+        let (producer, timeout) = (self.producer.clone(), self.timeout);
+        match tokio::task::spawn_blocking(move || call(&producer, timeout)).await {
+            Ok(result) => result,
+            Err(joined) => std::panic::resume_unwind(joined.into_panic()),
+        }
+    }
+
+    /// The records of one batch, by partition in offset order: from the first record
+    /// received, what arrives within the commit interval, up to `max_batch`. Records
+    /// of a partition reassigned meanwhile are left out.
+    async fn gather(&self) -> Result<BTreeMap<(String, i32), Vec<Taken>>, KafkaError> {
+        let mut taken = Vec::new();
+        let first = loop {
+            if let Some(record) = self.receive().await? {
+                break record;
+            }
+        };
+        taken.push(first);
+        let deadline = Instant::now() + self.commit_interval;
+        while taken.len() < self.max_batch {
+            match tokio::time::timeout_at(deadline, self.receive()).await {
+                Ok(Ok(Some(record))) => taken.push(record),
+                Ok(Ok(None)) => {}
+                Ok(Err(error)) => return Err(error),
+                Err(_) => break,
+            }
+        }
+        let epochs = self.consumer.context().state().epochs.clone();
+        let mut batch: BTreeMap<(String, i32), Vec<Taken>> = BTreeMap::new();
+        for record in taken {
+            let key = (record.message.topic.clone(), record.message.partition);
+            if epochs.get(&key).copied().unwrap_or(0) != record.epoch {
+                continue;
+            }
+            let records = batch.entry(key).or_default();
+            // A partition sought back mid-gather hands out its records again.
+            records.retain(|r| r.message.offset < record.message.offset);
+            records.push(record);
+        }
+        Ok(batch)
+    }
+
+    /// The next record, resuming the partitions whose retry delay is over first;
+    /// `None` for a record fetched behind a rewind (skipped).
+    async fn receive(&self) -> Result<Option<Taken>, KafkaError> {
+        let record = loop {
+            let wake = self.resume_due()?;
+            let due = async {
+                match wake {
+                    Some(at) => tokio::time::sleep_until(at).await,
+                    None => std::future::pending().await,
+                }
+            };
+            tokio::select! {
+                record = self.consumer.recv() => break record?,
+                () = due => continue,
+            }
+        };
+        let message = KafkaMessage::of(&record);
+        drop(record);
+        let key = (message.topic.clone(), message.partition);
+        let epoch = {
+            let mut context = self.consumer.context().state();
+            let epoch = context.epochs.get(&key).copied().unwrap_or(0);
+            match context.rewound.get(&key).copied() {
+                Some(rewind) if message.offset > rewind.offset => {
+                    drop(context);
+                    self.seek(&message.topic, message.partition, rewind.offset)?;
+                    return Ok(None);
+                }
+                Some(_) => {
+                    context.rewound.remove(&key);
+                }
+                None => {}
+            }
+            epoch
+        };
+        let mut state = self.state();
+        let seen = state.partitions.entry(key).or_insert(Seen {
+            epoch,
+            first: message.offset,
+            committed: None,
+        });
+        if seen.epoch != epoch {
+            *seen = Seen { epoch, first: message.offset, committed: None };
+        }
+        Ok(Some(Taken { message, epoch }))
+    }
+
+    /// Resumes the partitions whose retry delay is over; returns when the next one is.
+    fn resume_due(&self) -> Result<Option<Instant>, KafkaError> {
+        let now = Instant::now();
+        let mut due = TopicPartitionList::new();
+        let mut next = None::<Instant>;
+        for ((topic, partition), rewind) in &self.consumer.context().state().rewound {
+            if rewind.due <= now {
+                due.add_partition(topic, *partition);
+            } else {
+                next = Some(next.map_or(rewind.due, |n| n.min(rewind.due)));
+            }
+        }
+        if due.count() > 0 {
+            self.consumer.resume(&due)?;
+        }
+        Ok(next)
+    }
+
+    fn seek(&self, topic: &str, partition: i32, offset: i64) -> Result<(), KafkaError> {
+        // A zero timeout makes the seek asynchronous: no blocking in a task.
+        self.consumer.seek(topic, partition, Offset::Offset(offset), Duration::ZERO)
+    }
+
+    /// Makes `offset` the partition's next record, from `due` on, unless its
+    /// assignment changed since `epoch`; paused until then when `pause`.
+    fn rewind(
+        &self,
+        topic: &str,
+        partition: i32,
+        offset: i64,
+        epoch: u64,
+        due: Instant,
+        pause: bool,
+    ) {
+        let key = (topic.to_owned(), partition);
+        {
+            let mut context = self.consumer.context().state();
+            if context.epochs.get(&key).copied().unwrap_or(0) != epoch {
+                return;
+            }
+            let rewind = context.rewound.entry(key).or_insert(Rewind { offset, due });
+            rewind.offset = rewind.offset.min(offset);
+            rewind.due = rewind.due.max(due);
+        }
+        let mut list = TopicPartitionList::new();
+        list.add_partition(topic, partition);
+        let done = self
+            .seek(topic, partition, offset)
+            .and_then(|()| if pause { self.consumer.pause(&list) } else { Ok(()) });
+        if let Err(error) = done {
+            tracing::warn!(%error, topic, partition, offset, "rewinding a partition failed");
+        }
+    }
+
+    /// Handles a batch in one transaction and commits it, or aborts it and rewinds.
+    async fn transact<F, Fut, R>(
+        &self,
+        batch: BTreeMap<(String, i32), Vec<Taken>>,
+        handler: &Mutex<F>,
+        meter: &ConsumerMeter,
+    ) -> Result<(), KafkaError>
+    where
+        F: FnMut(KafkaMessage) -> Fut,
+        Fut: Future<Output = R>,
+        R: Transformed,
+    {
+        self.producer.begin_transaction()?;
+        // Until the transaction is decided, a drop leaves it open and the batch
+        // rewound.
+        let mut pending = Pending { consumer: self, batch: &batch, decided: false };
+        self.state().open = true;
+        // Made up front, not in a stream adapter's closure: a future borrowing through
+        // such a closure is not `Send` (its lifetimes can't be named).
+        let partitions: Vec<_> = (batch.iter())
+            .map(|(key, records)| async move {
+                (key.clone(), self.settle_partition(records, handler, meter).await)
+            })
+            .collect();
+        let settled: Vec<((String, i32), Settled)> = futures_util::stream::iter(partitions)
+            .buffer_unordered(self.concurrency)
+            .collect()
+            .await;
+
+        let mut panic = None;
+        let mut failed = None;
+        let mut offsets = TopicPartitionList::new();
+        let mut deliveries = Vec::new();
+        let mut retries = Vec::new();
+        for ((topic, partition), mut outcome) in settled {
+            panic = panic.or(outcome.panic.take());
+            failed = failed.or(outcome.error.take());
+            deliveries.append(&mut outcome.sent);
+            if let Some(next) = outcome.next {
+                offsets.add_partition_offset(&topic, partition, Offset::Offset(next))?;
+            }
+            if let Some(retry) = outcome.retry {
+                retries.push((topic, partition, retry));
+            }
+        }
+        let committed = match (panic.is_some(), failed) {
+            (true, _) => Err(None),
+            (false, Some(error)) => Err(Some(error)),
+            (false, None) => self.commit(offsets.clone(), deliveries).await.map_err(Some),
+        };
+        pending.decided = true;
+        match committed {
+            Ok(()) => {
+                self.state().open = false;
+                self.committed(&offsets);
+                for (topic, partition, (offset, epoch, due)) in retries {
+                    self.rewind(&topic, partition, offset, epoch, due, true);
+                }
+                Ok(())
+            }
+            Err(error) => {
+                let abort = self.blocking(|p, t| p.abort_transaction(t)).await;
+                self.state().open = false;
+                self.rewind_batch(&batch);
+                if let Some(panic) = panic {
+                    std::panic::resume_unwind(panic);
+                }
+                let error = error.unwrap_or(KafkaError::Canceled);
+                if let Err(abort) = abort {
+                    // The producer is unusable: a fatal error, or the broker gone for
+                    // longer than the timeout.
+                    tracing::error!(%abort, %error, "aborting a transaction failed");
+                    return Err(abort);
+                }
+                match &error {
+                    KafkaError::Transaction(e) if e.is_fatal() => Err(error),
+                    _ => {
+                        tracing::warn!(%error, "transaction aborted; its records are read again");
+                        Ok(())
+                    }
+                }
+            }
+        }
+    }
+
+    /// Hands a partition's records of the batch to the handler one after the other,
+    /// producing what each settles to, until one is left for retry.
+    async fn settle_partition<F, Fut, R>(
+        &self,
+        records: &[Taken],
+        handler: &Mutex<F>,
+        meter: &ConsumerMeter,
+    ) -> Settled
+    where
+        F: FnMut(KafkaMessage) -> Fut,
+        Fut: Future<Output = R>,
+        R: Transformed,
+    {
+        let mut out = Settled::default();
+        for taken in records {
+            let message = &taken.message;
+            let call = {
+                let mut handler = handler.lock().unwrap_or_else(PoisonError::into_inner);
+                (*handler)(message.clone())
+            };
+            let result = match AssertUnwindSafe(call).catch_unwind().await {
+                Ok(result) => result,
+                Err(panic) => {
+                    out.panic = Some(panic);
+                    return out;
+                }
+            };
+            let answer = Answer::of(&result);
+            let mut disposition = answer.disposition;
+            let mut delay = answer.delay_or(self.retry_delay);
+            let mut produce: &[OutputRecord] = &[];
+            if disposition == Disposition::Ack {
+                match result.produced() {
+                    Output::New(produced) => produce = &produced.records,
+                    Output::Replayed(produced) => match self.replay(produced, taken).await {
+                        Replay::Produce => produce = &produced.records,
+                        Replay::Skip => {}
+                        Replay::Wait => {
+                            disposition = Disposition::Retry;
+                            delay = self.retry_delay;
+                        }
+                    },
+                    Output::Nothing => {}
+                }
+            }
+            meter.settled(disposition);
+            let sent = match disposition {
+                Disposition::Ack => produce.iter().try_for_each(|record| {
+                    out.sent.push(self.send(record)?);
+                    Ok(())
+                }),
+                Disposition::DeadLetter => self.send_dead_letter(message).map(|d| out.sent.push(d)),
+                Disposition::Retry => {
+                    out.retry = Some((message.offset, taken.epoch, deadline_after(delay)));
+                    return out;
+                }
+            };
+            if let Err(error) = sent {
+                out.error = Some(error);
+                return out;
+            }
+            out.next = Some(message.offset + 1);
+        }
+        out
+    }
+
+    /// Whether a replayed result's records are produced again: only if the record
+    /// that first produced them never committed.
+    async fn replay(&self, produced: &Produced, taken: &Taken) -> Replay {
+        let (topic, partition, offset) = &produced.origin;
+        let message = &taken.message;
+        if (topic, *partition, *offset) == (&message.topic, message.partition, message.offset) {
+            // This record, handled again after its transaction was aborted.
+            return Replay::Produce;
+        }
+        let key = (topic.clone(), *partition);
+        let epoch = self.consumer.context().state().epochs.get(&key).copied().unwrap_or(0);
+        if let Some(seen) = self.state().partitions.get(&key).copied().filter(|s| s.epoch == epoch)
+        {
+            // A partition of this member's: below its first record of this assignment
+            // (at or past the group's committed offset then) or its own last commit,
+            // the origin is committed; between those and this record of the same
+            // partition, it is in this very transaction.
+            if *offset < seen.first || seen.committed.is_some_and(|c| *offset < c) {
+                return Replay::Skip;
+            }
+            if key == (message.topic.clone(), message.partition) && *offset < message.offset {
+                return Replay::Skip;
+            }
+        }
+        // Another member's partition: ask the group.
+        let mut list = TopicPartitionList::new();
+        list.add_partition(topic, *partition);
+        let consumer = &self.consumer;
+        let timeout = self.timeout;
+        let asked = match tokio::runtime::Handle::current().runtime_flavor() {
+            tokio::runtime::RuntimeFlavor::MultiThread => {
+                tokio::task::block_in_place(|| consumer.committed_offsets(list, timeout))
+            }
+            _ => consumer.committed_offsets(list, timeout),
+        };
+        let committed = asked.ok().and_then(|list| {
+            list.find_partition(topic, *partition).and_then(|e| match e.offset() {
+                Offset::Offset(o) => Some(o),
+                _ => None,
+            })
+        });
+        match committed {
+            Some(committed) if *offset < committed => Replay::Skip,
+            _ => Replay::Wait,
+        }
+    }
+
+    /// Produces `record` in the open transaction.
+    fn send(&self, record: &OutputRecord) -> Result<DeliveryFuture, KafkaError> {
+        let mut headers = OwnedHeaders::new();
+        for (name, value) in &record.headers {
+            headers = headers.insert(Header { key: name, value: Some(value) });
+        }
+        let mut future = FutureRecord::to(&record.topic).payload(&record.payload).headers(headers);
+        if let Some(key) = &record.key {
+            future = future.key(key);
+        }
+        if let Some(partition) = record.partition {
+            future = future.partition(partition);
+        }
+        self.producer.send_result(future).map_err(|(error, _)| error)
+    }
+
+    /// Produces `message` to the dead-letter topic in the open transaction.
+    fn send_dead_letter(&self, message: &KafkaMessage) -> Result<DeliveryFuture, KafkaError> {
+        let mut record = FutureRecord::to(&self.dead_letter_topic)
+            .payload(&message.payload)
+            .headers(dead_letter_headers(message, true));
+        if let Some(key) = &message.key {
+            record = record.key(key);
+        }
+        self.producer.send_result(record).map_err(|(error, _)| error)
+    }
+
+    /// Waits for the batch's records to be produced, sends the offsets with the
+    /// group's metadata, and commits; retries a retriable commit.
+    async fn commit(
+        &self,
+        offsets: TopicPartitionList,
+        deliveries: Vec<DeliveryFuture>,
+    ) -> Result<(), KafkaError> {
+        for delivery in deliveries {
+            match delivery.await {
+                Ok(Ok(_)) => {}
+                Ok(Err((error, _))) => return Err(error),
+                Err(_) => return Err(KafkaError::Canceled),
+            }
+        }
+        if offsets.count() > 0 {
+            let metadata = (self.consumer.group_metadata())
+                .ok_or(KafkaError::ConsumerCommit(RDKafkaErrorCode::InvalidGroupId))?;
+            self.blocking(move |p, t| p.send_offsets_to_transaction(&offsets, &metadata, t))
+                .await?;
+        }
+        let mut tries = 0;
+        loop {
+            match self.blocking(|p, t| p.commit_transaction(t)).await {
+                Err(KafkaError::Transaction(e)) if e.is_retriable() && tries < 3 => tries += 1,
+                other => return other,
+            }
+        }
+    }
+
+    /// The transaction committed: remember how far this member committed.
+    fn committed(&self, offsets: &TopicPartitionList) {
+        let mut state = self.state();
+        for element in offsets.elements() {
+            let key = (element.topic().to_owned(), element.partition());
+            if let (Some(seen), Offset::Offset(next)) =
+                (state.partitions.get_mut(&key), element.offset())
+            {
+                seen.committed = Some(next);
+            }
+        }
+    }
+
+    /// Every partition of a batch not committed reads again from its first record.
+    fn rewind_batch(&self, batch: &BTreeMap<(String, i32), Vec<Taken>>) {
+        for ((topic, partition), records) in batch {
+            if let Some(first) = records.first() {
+                let (offset, epoch) = (first.message.offset, first.epoch);
+                self.rewind(topic, *partition, offset, epoch, Instant::now(), false);
+            }
+        }
+    }
+}
+
+/// Whether a replayed result is produced again.
+enum Replay {
+    Produce,
+    Skip,
+    /// The record that first produced it is in a transaction not decided yet.
+    Wait,
+}
+
+/// A batch whose transaction is not decided yet: dropped so (its `run` was dropped),
+/// it rewinds the batch's partitions, and the open transaction is aborted by the next
+/// `run`.
+struct Pending<'a> {
+    consumer: &'a ExactlyOnceConsumer,
+    batch: &'a BTreeMap<(String, i32), Vec<Taken>>,
+    decided: bool,
+}
+
+impl Drop for Pending<'_> {
+    fn drop(&mut self) {
+        if !self.decided {
+            self.consumer.state().open = true;
+            self.consumer.rewind_batch(self.batch);
+        }
+    }
+}
