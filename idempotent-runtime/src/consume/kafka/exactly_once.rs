@@ -17,7 +17,7 @@ use rdkafka::{Offset, TopicPartitionList};
 use serde::{Deserialize, Serialize};
 use tokio::time::Instant;
 
-use super::{KafkaContext, KafkaMessage, Rewind, dead_letter_headers};
+use super::{KafkaContext, KafkaMessage, Rewind, dead_letter_headers, skip_behind_rewind};
 use crate::consume::{Answer, DEFAULT_CONCURRENCY, deadline_after};
 use crate::metrics::ConsumerMeter;
 use crate::{Disposition, DispositionExt, Error, Outcome};
@@ -442,7 +442,7 @@ impl ExactlyOnceConsumer {
             match context.rewound.get(&key).copied() {
                 Some(rewind) if message.offset > rewind.offset => {
                     drop(context);
-                    self.seek(&message.topic, message.partition, rewind.offset)?;
+                    skip_behind_rewind(&self.consumer, &message.topic, message.partition)?;
                     return Ok(None);
                 }
                 Some(_) => {
@@ -504,7 +504,7 @@ impl ExactlyOnceConsumer {
             if context.epochs.get(&key).copied().unwrap_or(0) != epoch {
                 return;
             }
-            let rewind = context.rewound.entry(key).or_insert(Rewind { offset, due });
+            let rewind = context.rewound.entry(key).or_insert(Rewind::new(offset, due));
             rewind.offset = rewind.offset.min(offset);
             rewind.due = rewind.due.max(due);
         }
@@ -696,14 +696,7 @@ impl ExactlyOnceConsumer {
         // Another member's partition: ask the group.
         let mut list = TopicPartitionList::new();
         list.add_partition(topic, *partition);
-        let consumer = &self.consumer;
-        let timeout = self.timeout;
-        let asked = match tokio::runtime::Handle::current().runtime_flavor() {
-            tokio::runtime::RuntimeFlavor::MultiThread => {
-                tokio::task::block_in_place(|| consumer.committed_offsets(list, timeout))
-            }
-            _ => consumer.committed_offsets(list, timeout),
-        };
+        let asked = super::blocking(|| self.consumer.committed_offsets(list, self.timeout));
         let committed = asked.ok().and_then(|list| {
             list.find_partition(topic, *partition).and_then(|e| match e.offset() {
                 Offset::Offset(o) => Some(o),

@@ -270,7 +270,7 @@ impl Partitions {
         if !pending && track.next.is_some_and(|next| offset >= next) {
             return Rewound::Ahead;
         }
-        let rewind = self.rewound.entry(key).or_insert(Rewind { offset, due });
+        let rewind = self.rewound.entry(key).or_insert(Rewind::new(offset, due));
         // The partition reads both records again once it resumes, one right after
         // the other: it waits until the later of their delays is over, so neither is
         // retried before its own.
@@ -312,6 +312,71 @@ impl Track {
 struct Rewind {
     offset: i64,
     due: Instant,
+    /// When the log start was last asked for, to see whether the record is gone.
+    checked: Option<Instant>,
+}
+
+impl Rewind {
+    fn new(offset: i64, due: Instant) -> Rewind {
+        Rewind { offset, due, checked: None }
+    }
+}
+
+/// Skips a record fetched behind its partition's pending rewind, seeking back to the
+/// rewind again (the first seek may not have been applied yet).
+///
+/// A rewind whose record is no longer in the log (retention or DeleteRecords removed
+/// it while the partition was paused) would skip every record for ever: the seek to
+/// it lands on the log start, past it. So once the partition skips for a second past
+/// the rewind's due time, its log start is asked for (at most once a second); if it is
+/// past the record, the partition is sought to the log start and waits for that seek
+/// (every record received after it is read anew), and the rewind is dropped.
+fn skip_behind_rewind(
+    consumer: &StreamConsumer<KafkaContext>,
+    topic: &str,
+    partition: i32,
+) -> Result<(), KafkaError> {
+    let key = (topic.to_owned(), partition);
+    let now = Instant::now();
+    let (offset, check) = {
+        let mut state = consumer.context().state();
+        let Some(rewind) = state.rewound.get_mut(&key) else { return Ok(()) };
+        let second = Duration::from_secs(1);
+        let check =
+            now >= rewind.due + second && rewind.checked.is_none_or(|at| now >= at + second);
+        if check {
+            rewind.checked = Some(now);
+        }
+        (rewind.offset, check)
+    };
+    if check {
+        let timeout = Duration::from_secs(5);
+        let (low, _) = blocking(|| consumer.fetch_watermarks(topic, partition, timeout))?;
+        if low > offset {
+            tracing::warn!(
+                topic,
+                partition,
+                offset,
+                log_start = low,
+                "a record left for retry is no longer in the log (retention or DeleteRecords \
+                 removed it): the partition goes on from its log start"
+            );
+            blocking(|| consumer.seek(topic, partition, Offset::Offset(low), timeout))?;
+            consumer.context().state().rewound.remove(&key);
+            return Ok(());
+        }
+    }
+    // A zero timeout makes the seek asynchronous: no blocking in a task.
+    consumer.seek(topic, partition, Offset::Offset(offset), Duration::ZERO)
+}
+
+/// Runs a blocking librdkafka call from a task: on a multi-threaded runtime without
+/// holding up the other tasks of its thread.
+fn blocking<T>(call: impl FnOnce() -> T) -> T {
+    match tokio::runtime::Handle::try_current().map(|h| h.runtime_flavor()) {
+        Ok(tokio::runtime::RuntimeFlavor::MultiThread) => tokio::task::block_in_place(call),
+        _ => call(),
+    }
 }
 
 impl KafkaContext {
@@ -575,9 +640,9 @@ impl KafkaConsumer {
         match state.rewound.get(&partition).copied() {
             Some(rewind) if message.offset > rewind.offset => {
                 // Fetched behind a record left for retry: not handled, not
-                // committed. Seek again, in case the first seek was lost.
+                // committed.
                 drop(state);
-                self.seek(&message.topic, message.partition, rewind.offset)?;
+                skip_behind_rewind(&self.consumer, &message.topic, message.partition)?;
                 return Ok(None);
             }
             // The record itself, or an earlier one: handle it normally.
@@ -866,7 +931,7 @@ mod tests {
     #[test]
     fn a_rebalance_forgets_retries_and_fences_older_records() {
         let context = KafkaContext::default();
-        let rewind = Rewind { offset: 7, due: Instant::now() };
+        let rewind = Rewind::new(7, Instant::now());
         context.state().rewound.insert(("orders".to_owned(), 0), rewind);
         context.state().rewound.insert(("orders".to_owned(), 1), rewind);
         let mut moved = TopicPartitionList::new();
