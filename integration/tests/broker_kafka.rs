@@ -11,12 +11,12 @@ use std::collections::HashSet;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use idempotent::consume::kafka::{KafkaConsumer, KafkaContext, KafkaMessage};
+use idempotent::consume::kafka::{KafkaConsumer, KafkaMessage};
 use idempotent::testing::{self, block_on};
 use idempotent::{MemoryStore, idempotent};
 use kafka::Broker;
 use orders::{Fault, World, order_id};
-use rdkafka::consumer::{BaseConsumer, Consumer, StreamConsumer};
+use rdkafka::consumer::{BaseConsumer, Consumer};
 use rdkafka::message::Message;
 use rdkafka::producer::{FutureProducer, FutureRecord};
 use rdkafka::{Offset, TopicPartitionList};
@@ -37,22 +37,33 @@ async fn handle(
     world.process(order_id(&msg.payload), doomed).await
 }
 
-fn member(broker: &Broker, topic: &str) -> StreamConsumer<KafkaContext> {
-    broker.member("billing", topic)
-}
-
 #[test]
 fn two_members_one_killed_every_message_once() {
-    scenario(None);
+    scenario(None, &[]);
 }
 
 #[test]
 fn one_record_at_a_time_every_message_once() {
-    scenario(Some(1));
+    scenario(Some(1), &[]);
 }
 
-/// The scenario, with the members' default concurrency or the one given.
-fn scenario(concurrency: Option<usize>) {
+/// The same with incremental rebalances: a member joining or leaving takes or gives
+/// up only the partitions that move.
+#[test]
+fn cooperative_sticky_rebalances_every_message_once() {
+    scenario(None, &[("partition.assignment.strategy", "cooperative-sticky")]);
+}
+
+/// The same under the consumer group protocol of KIP-848 (`group.protocol=consumer`),
+/// where the broker assigns the partitions and rebalances are incremental.
+#[test]
+fn the_consumer_group_protocol_every_message_once() {
+    scenario(None, &[("group.protocol", "consumer")]);
+}
+
+/// The scenario, with the members' default concurrency or the one given, and more
+/// member `settings`.
+fn scenario(concurrency: Option<usize>, settings: &'static [(&'static str, &'static str)]) {
     let Some(broker) = Broker::start() else { return };
     let broker = Arc::new(broker);
     block_on(async {
@@ -75,7 +86,8 @@ fn scenario(concurrency: Option<usize>) {
             let (broker, topic, dead_topic) = (broker.clone(), topic.clone(), dead_topic.clone());
             tokio::spawn(async move {
                 let producer: FutureProducer = broker.config().create().unwrap();
-                let consumer = KafkaConsumer::new(member(&broker, &topic), producer, dead_topic)
+                let member = broker.member_with("billing", &topic, settings);
+                let consumer = KafkaConsumer::new(member, producer, dead_topic)
                     .retry_delay(Duration::from_millis(100));
                 let consumer = match concurrency {
                     Some(n) => consumer.concurrency(n),

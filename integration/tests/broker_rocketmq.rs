@@ -1,11 +1,12 @@
-//! RocketMQ, end to end, against a real name server and broker (the Rust
-//! implementation, started by the test on free ports): 2,000 published messages of
+//! RocketMQ, end to end, against Apache RocketMQ (a name server and a broker started
+//! by the test on free ports): 2,000 published messages of
 //! which 20% repeat an earlier order (a new message with the same business key), two
 //! members of one consumer group, one hung mid-handler and killed then restarted,
 //! retryable and terminal handler errors. Every unique order must take effect exactly
 //! once, nothing may be lost (a member started afterwards from the group's committed
 //! offsets finds nothing left), terminal ones must reach the group's dead-letter
-//! queue, and no message may be acknowledged before its record is written.
+//! queue, and no message may be acknowledged before its record is written. Then the
+//! same with the broker SIGKILLed and restarted mid-consumption.
 
 use std::collections::HashSet;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -33,8 +34,8 @@ async fn handle(
     world.process(order_id(&msg.body), doomed).await
 }
 
-fn member(cluster: &Cluster, group: &str, topic: &str) -> RocketMqConsumer {
-    RocketMqConsumer::new(cluster.name_server_address.as_str(), group, topic)
+fn member(name_server: &str, group: &str, topic: &str) -> RocketMqConsumer {
+    RocketMqConsumer::new(name_server, group, topic)
         .from_first_offset()
         .route_refresh(Duration::from_secs(10))
         .retry_delay(Duration::from_millis(100))
@@ -65,7 +66,7 @@ fn two_members_one_killed_every_message_once() {
         let start_member = |doomed: bool| {
             let (store, world, acked) = (store.clone(), world.clone(), acked.clone());
             let calls = calls.clone();
-            let consumer = member(&cluster, &group, &topic);
+            let consumer = member(&cluster.name_server_address, &group, &topic);
             tokio::spawn(async move {
                 let handled = consumer.run(|m| {
                     calls.fetch_add(1, Ordering::SeqCst);
@@ -126,7 +127,8 @@ fn two_members_one_killed_every_message_once() {
         tokio::time::sleep(Duration::from_secs(2)).await;
         let left = Arc::new(Mutex::new(Vec::new()));
         let probe = {
-            let (left, consumer) = (left.clone(), member(&cluster, &group, &topic));
+            let (left, consumer) =
+                (left.clone(), member(&cluster.name_server_address, &group, &topic));
             tokio::spawn(async move {
                 let run = consumer.run(|m| {
                     left.lock().unwrap().push(order_id(&m.body));
@@ -150,7 +152,11 @@ async fn read_dead_letters(cluster: &Cluster, group: &str, want: usize) -> HashS
     let ids = Arc::new(Mutex::new(HashSet::new()));
     let reader = {
         let ids = ids.clone();
-        let consumer = member(cluster, &format!("{group}-dead"), &format!("%DLQ%{group}"));
+        let consumer = member(
+            &cluster.name_server_address,
+            &format!("{group}-dead"),
+            &format!("%DLQ%{group}"),
+        );
         tokio::spawn(async move {
             let run = consumer.run(|m| {
                 ids.lock().unwrap().insert(order_id(&m.body));
@@ -168,4 +174,71 @@ async fn read_dead_letters(cluster: &Cluster, group: &str, want: usize) -> HashS
     reader.abort();
     let _ = reader.await;
     ids.lock().unwrap().clone()
+}
+
+/// The broker is SIGKILLed while a member consumes and restarted on its store 2 s
+/// later; the member's `run`, if the fault ends it, is started again as a supervisor
+/// would. Every order takes effect once and rejected orders are dead-lettered.
+#[test]
+fn a_broker_killed_and_restarted_mid_consumption_every_message_once() {
+    let Some(mut cluster) = Cluster::start() else { return };
+    let name_server = cluster.name_server_address.clone();
+    block_on(async {
+        let topic = testing::fresh_key("orders").namespace().to_owned();
+        let group = format!("billing-{topic}");
+        let publisher =
+            RocketMqPublisher::start(name_server.as_str(), "orders-producer").await.unwrap();
+        for id in orders::published() {
+            publisher.publish(&topic, &id.to_string(), orders::body(id).as_bytes()).await.unwrap();
+        }
+        publisher.shutdown().await;
+
+        let store = Arc::new(MemoryStore::new());
+        let world = Arc::new(World::default());
+        let runs_ended = Arc::new(AtomicUsize::new(0));
+        let consuming = {
+            let (store, world, runs_ended) = (store.clone(), world.clone(), runs_ended.clone());
+            let (name_server, group, topic) = (name_server.clone(), group.clone(), topic.clone());
+            tokio::spawn(async move {
+                loop {
+                    let consumer = member(&name_server, &group, &topic);
+                    let ran = consumer
+                        .run(|m| {
+                            let (store, world) = (store.clone(), world.clone());
+                            async move {
+                                tokio::time::sleep(Duration::from_millis(3)).await;
+                                handle(m, &store, &world, false).await
+                            }
+                        })
+                        .await;
+                    if let Err(error) = ran {
+                        eprintln!("run ended: {error}; starting again");
+                        runs_ended.fetch_add(1, Ordering::SeqCst);
+                        tokio::time::sleep(Duration::from_millis(500)).await;
+                    }
+                }
+            })
+        };
+        while world.effects.lock().unwrap().len() < 300 {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        tokio::task::block_in_place(|| {
+            cluster.kill_broker();
+            std::thread::sleep(Duration::from_secs(2));
+            cluster.restart_broker();
+        });
+        let expected = World::expected();
+        let deadline = Instant::now() + Duration::from_secs(240);
+        while world.effects.lock().unwrap().len() < expected {
+            let done = world.effects.lock().unwrap().len();
+            assert!(Instant::now() < deadline, "stuck: {done}/{expected} done after the restart");
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+        let dead = read_dead_letters(&cluster, &group, World::rejected_orders().len()).await;
+        consuming.abort();
+        let _ = consuming.await;
+        world.assert_exactly_once();
+        assert_eq!(dead, World::rejected_orders(), "exactly the rejected orders are dead-lettered");
+        eprintln!("run ended {} times", runs_ended.load(Ordering::SeqCst));
+    });
 }

@@ -5,7 +5,6 @@
 #![allow(dead_code)]
 
 use std::path::PathBuf;
-use std::time::Duration;
 
 use idempotent::consume::kafka::KafkaContext;
 use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
@@ -87,9 +86,12 @@ impl Broker {
         config
             .set("group.id", group)
             .set("enable.auto.commit", "false")
-            .set("auto.offset.reset", "earliest")
-            .set("session.timeout.ms", "6000")
-            .set("heartbeat.interval.ms", "500");
+            .set("auto.offset.reset", "earliest");
+        // Under the consumer group protocol (KIP-848) the broker sets these (6 s and
+        // 1 s, in `.ci/brokers/kafka`), and the client refuses them.
+        if !settings.contains(&("group.protocol", "consumer")) {
+            config.set("session.timeout.ms", "6000").set("heartbeat.interval.ms", "500");
+        }
         for (key, value) in settings {
             config.set(*key, *value);
         }
