@@ -274,6 +274,7 @@ fn assert_once(got: &[u64], want: &[u64], what: &str) {
     );
 }
 
+#[derive(Clone)]
 struct Topics {
     input: String,
     output: String,
@@ -514,4 +515,42 @@ fn a_zombie_cannot_commit_what_another_member_took_over() {
     assert_exactly_once(&broker.address, &group, &topics, unique);
     drop(other);
     drop(zombie);
+}
+
+/// `run` dropped mid-batch (a timeout around it) while a handler holds an order, with
+/// other orders of the batch already produced into the open transaction; then `run`
+/// again on the same consumer. The next `run` aborts the left transaction and reads
+/// the batch again from the committed offsets: each invoice once, every input
+/// committed.
+#[test]
+fn a_run_dropped_mid_batch_and_run_again_produces_each_output_once() {
+    let Some(broker) = Broker::start() else { return };
+    let unique = 600;
+    block_on(async {
+        let topics = Topics::create(&broker).await;
+        publish(&broker, &topics.input, orders(unique)).await;
+        let group = format!("invoicing-{}", topics.input);
+        let consumer = ExactlyOnceConsumer::new(
+            member(&broker.address, &group, &topics.input),
+            transactional_producer(&broker.address, "invoicing-again"),
+            topics.dead.clone(),
+        )
+        .unwrap()
+        .retry_delay(Duration::from_millis(100))
+        .max_batch(50);
+        let (store, seen) = (redis_store().await, Seen::default());
+        let first = consumer.run(|msg| invoice(msg, &store, &seen, &topics.output, Some(150)));
+        let dropped = tokio::time::timeout(Duration::from_secs(4), first).await;
+        assert!(dropped.is_err(), "the first run ended by itself: {dropped:?}");
+        let again = consumer.run(|msg| invoice(msg, &store, &seen, &topics.output, None));
+        let address = broker.address.clone();
+        let check = tokio::task::spawn_blocking({
+            let (group, topics) = (group.clone(), topics.clone());
+            move || assert_exactly_once(&address, &group, &topics, unique)
+        });
+        tokio::select! {
+            ran = again => panic!("run ended: {ran:?}"),
+            checked = check => checked.unwrap(),
+        }
+    });
 }

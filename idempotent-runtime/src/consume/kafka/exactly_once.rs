@@ -186,17 +186,17 @@ impl<E> Transformed for Result<Outcome<Produced>, Error<E>> {
 ///
 /// ```no_run
 /// # async fn demo() -> Result<(), rdkafka::error::KafkaError> {
-/// use idempotent::consume::kafka::{ExactlyOnceConsumer, KafkaContext, KafkaMessage};
-/// use idempotent::consume::kafka::{OutputRecord, Produced};
-/// use idempotent::{MemoryStore, idempotent};
+/// use idempotent_runtime::consume::kafka::{ExactlyOnceConsumer, KafkaContext, KafkaMessage};
+/// use idempotent_runtime::consume::kafka::{OutputRecord, Produced};
+/// use idempotent_runtime::{Error, Outcome};
 /// use rdkafka::ClientConfig;
 /// use rdkafka::consumer::{Consumer, StreamConsumer};
 /// use rdkafka::producer::FutureProducer;
 ///
-/// #[idempotent(key = "order:{/id}", store = store, cache = true)]
-/// async fn invoice(msg: KafkaMessage, store: &MemoryStore) -> Result<Produced, std::io::Error> {
-///     let invoice = OutputRecord::to("invoices").key(msg.key.clone().unwrap_or_default());
-///     Ok(Produced::by(&msg).record(invoice.payload(msg.payload.clone())))
+/// // An #[idempotent(cache = true)] function returning `Result<Produced, E>`.
+/// async fn invoice(msg: KafkaMessage) -> Result<Outcome<Produced>, Error<std::io::Error>> {
+///     let invoice = OutputRecord::to("invoices").payload(msg.payload.clone());
+///     Ok(Outcome::Processed(Produced::by(&msg).record(invoice)))
 /// }
 ///
 /// let consumer: StreamConsumer<KafkaContext> = ClientConfig::new()
@@ -209,9 +209,8 @@ impl<E> Transformed for Result<Outcome<Produced>, Error<E>> {
 ///     .set("bootstrap.servers", "127.0.0.1:9092")
 ///     .set("transactional.id", format!("invoicing-{}", std::process::id()))
 ///     .create()?;
-/// let store = MemoryStore::new();
 /// let consumer = ExactlyOnceConsumer::new(consumer, producer, "orders.dead")?;
-/// consumer.run(|msg| invoice(msg, &store)).await
+/// consumer.run(invoice).await
 /// # }
 /// ```
 pub struct ExactlyOnceConsumer {
@@ -224,6 +223,9 @@ pub struct ExactlyOnceConsumer {
     max_batch: usize,
     timeout: Duration,
     state: Mutex<State>,
+    /// Held by each blocking call of the transactional producer: a call left running
+    /// by a dropped `run` is over before the next `run` touches the transaction.
+    calls: std::sync::Arc<Mutex<()>>,
 }
 
 /// What the consumer knows of its partitions and its transaction.
@@ -232,9 +234,11 @@ struct State {
     /// Per partition, for the assignment it was learnt in: the first offset received,
     /// and the offset this member last committed.
     partitions: HashMap<(String, i32), Seen>,
-    /// A transaction was begun and neither committed nor aborted (its `run` was
-    /// dropped): aborted before the next one begins.
-    open: bool,
+    /// The partitions of a batch whose `run` was dropped before its transaction was
+    /// decided (the commit may even have gone through): before the next batch, the
+    /// transaction is aborted if still open, and they read on from the group's
+    /// committed offsets, whichever way it went.
+    undecided: Vec<(String, i32, u64)>,
 }
 
 #[derive(Clone, Copy)]
@@ -293,6 +297,7 @@ impl ExactlyOnceConsumer {
             max_batch: 500,
             timeout,
             state: Mutex::new(State::default()),
+            calls: std::sync::Arc::default(),
         })
     }
 
@@ -331,8 +336,9 @@ impl ExactlyOnceConsumer {
 
     /// Handles batches, each in one transaction, until receiving fails or the
     /// producer meets a fatal error (see the type's documentation). Dropped mid-batch,
-    /// the batch's transaction is left open, and its partitions rewound to where it
-    /// began; the next `run` aborts it first.
+    /// the batch's transaction is left undecided; the next `run` first aborts it if it
+    /// is still open, and reads the batch's partitions on from the group's committed
+    /// offsets.
     pub async fn run<F, Fut, R>(&self, handler: F) -> Result<(), KafkaError>
     where
         F: FnMut(KafkaMessage) -> Fut,
@@ -341,10 +347,8 @@ impl ExactlyOnceConsumer {
     {
         let meter = ConsumerMeter::new("kafka", &self.topics());
         let handler = Mutex::new(handler);
+        self.recover().await?;
         loop {
-            if std::mem::take(&mut self.state().open) {
-                self.blocking(|p, t| p.abort_transaction(t)).await?;
-            }
             let batch = self.gather().await?;
             if batch.is_empty() {
                 continue;
@@ -352,6 +356,42 @@ impl ExactlyOnceConsumer {
             meter.taken(batch.values().map(Vec::len).sum());
             self.transact(batch, &handler, &meter).await?;
         }
+    }
+
+    /// After a `run` dropped mid-batch: aborts its transaction if it is still open,
+    /// and seeks the batch's partitions (those still assigned) to the group's
+    /// committed offsets.
+    async fn recover(&self) -> Result<(), KafkaError> {
+        let undecided = self.state().undecided.clone();
+        if undecided.is_empty() {
+            return Ok(());
+        }
+        match self.blocking(|p, t| p.abort_transaction(t)).await {
+            // No transaction was open: it had committed, or aborted.
+            Err(KafkaError::Transaction(e)) if e.code() == RDKafkaErrorCode::State => {}
+            other => other?,
+        }
+        let mut list = TopicPartitionList::new();
+        for (topic, partition, _) in &undecided {
+            list.add_partition(topic, *partition);
+        }
+        let committed = super::blocking(|| self.consumer.committed_offsets(list, self.timeout))?;
+        for (topic, partition, epoch) in undecided.iter().cloned() {
+            let offset = committed.find_partition(&topic, partition).map(|e| e.offset());
+            let offset = match offset {
+                Some(Offset::Offset(offset)) => offset,
+                // Nothing committed yet: where the group starts a new member.
+                _ => match super::blocking(|| {
+                    self.consumer.fetch_watermarks(&topic, partition, self.timeout)
+                }) {
+                    Ok((low, _)) => low,
+                    Err(error) => return Err(error),
+                },
+            };
+            self.rewind(&topic, partition, offset, epoch, Instant::now(), false);
+        }
+        self.state().undecided.retain(|entry| !undecided.contains(entry));
+        Ok(())
     }
 
     fn state(&self) -> std::sync::MutexGuard<'_, State> {
@@ -375,8 +415,12 @@ impl ExactlyOnceConsumer {
         &self,
         call: impl FnOnce(&FutureProducer, Duration) -> Result<T, KafkaError> + Send + 'static,
     ) -> Result<T, KafkaError> {
-        let (producer, timeout) = (self.producer.clone(), self.timeout);
-        match tokio::task::spawn_blocking(move || call(&producer, timeout)).await {
+        let (producer, timeout, calls) = (self.producer.clone(), self.timeout, self.calls.clone());
+        let call = move || {
+            let _one_at_a_time = calls.lock().unwrap_or_else(PoisonError::into_inner);
+            call(&producer, timeout)
+        };
+        match tokio::task::spawn_blocking(call).await {
             Ok(result) => result,
             Err(joined) => std::panic::resume_unwind(joined.into_panic()),
         }
@@ -531,10 +575,8 @@ impl ExactlyOnceConsumer {
         R: Transformed,
     {
         self.producer.begin_transaction()?;
-        // Until the transaction is decided, a drop leaves it open and the batch
-        // rewound.
+        // Until the transaction is decided, a drop leaves it to the next `run`.
         let mut pending = Pending { consumer: self, batch: &batch, decided: false };
-        self.state().open = true;
         // Made up front, not in a stream adapter's closure: a future borrowing through
         // such a closure is not `Send` (its lifetimes can't be named).
         let partitions: Vec<_> = (batch.iter())
@@ -568,10 +610,9 @@ impl ExactlyOnceConsumer {
             (false, Some(error)) => Err(Some(error)),
             (false, None) => self.commit(offsets.clone(), deliveries).await.map_err(Some),
         };
-        pending.decided = true;
         match committed {
             Ok(()) => {
-                self.state().open = false;
+                pending.decided = true;
                 self.committed(&offsets);
                 for (topic, partition, (offset, epoch, due)) in retries {
                     self.rewind(&topic, partition, offset, epoch, due, true);
@@ -579,18 +620,20 @@ impl ExactlyOnceConsumer {
                 Ok(())
             }
             Err(error) => {
-                let abort = self.blocking(|p, t| p.abort_transaction(t)).await;
-                self.state().open = false;
-                self.rewind_batch(&batch);
+                // Aborted, or committed without an answer: either way the group's
+                // committed offsets say where each partition reads on.
+                self.state().undecided.extend(undecided(&batch));
+                pending.decided = true;
+                let recovered = self.recover().await;
                 if let Some(panic) = panic {
                     std::panic::resume_unwind(panic);
                 }
                 let error = error.unwrap_or(KafkaError::Canceled);
-                if let Err(abort) = abort {
-                    // The producer is unusable: a fatal error, or the broker gone for
-                    // longer than the timeout.
-                    tracing::error!(%abort, %error, "aborting a transaction failed");
-                    return Err(abort);
+                if let Err(failed) = recovered {
+                    // The producer is unusable (a fatal error), or the broker gone for
+                    // longer than the timeout: the next `run` tries again.
+                    tracing::error!(%failed, %error, "aborting a transaction failed");
+                    return Err(failed);
                 }
                 match &error {
                     KafkaError::Transaction(e) if e.is_fatal() => Err(error),
@@ -777,16 +820,6 @@ impl ExactlyOnceConsumer {
             }
         }
     }
-
-    /// Every partition of a batch not committed reads again from its first record.
-    fn rewind_batch(&self, batch: &BTreeMap<(String, i32), Vec<Taken>>) {
-        for ((topic, partition), records) in batch {
-            if let Some(first) = records.first() {
-                let (offset, epoch) = (first.message.offset, first.epoch);
-                self.rewind(topic, *partition, offset, epoch, Instant::now(), false);
-            }
-        }
-    }
 }
 
 /// Whether a replayed result is produced again.
@@ -798,8 +831,8 @@ enum Replay {
 }
 
 /// A batch whose transaction is not decided yet: dropped so (its `run` was dropped),
-/// it rewinds the batch's partitions, and the open transaction is aborted by the next
-/// `run`.
+/// it leaves the batch's partitions to the next `run` (see
+/// [`ExactlyOnceConsumer::recover`]).
 struct Pending<'a> {
     consumer: &'a ExactlyOnceConsumer,
     batch: &'a BTreeMap<(String, i32), Vec<Taken>>,
@@ -809,8 +842,16 @@ struct Pending<'a> {
 impl Drop for Pending<'_> {
     fn drop(&mut self) {
         if !self.decided {
-            self.consumer.state().open = true;
-            self.consumer.rewind_batch(self.batch);
+            self.consumer.state().undecided.extend(undecided(self.batch));
         }
     }
+}
+
+/// A batch's partitions, with their assignment when the batch was read.
+fn undecided(
+    batch: &BTreeMap<(String, i32), Vec<Taken>>,
+) -> impl Iterator<Item = (String, i32, u64)> + '_ {
+    (batch.iter()).filter_map(|((topic, partition), records)| {
+        Some((topic.clone(), *partition, records.first()?.epoch))
+    })
 }
