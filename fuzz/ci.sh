@@ -6,7 +6,9 @@
 #     fuzz/ci.sh          # 20 s per target
 #     fuzz/ci.sh 60       # 60 s per target
 #
-# Needs a nightly toolchain (`rustup toolchain install nightly`).
+# Uses the nightly toolchain if rustup has one; otherwise stable with
+# RUSTC_BOOTSTRAP=1 (cargo-fuzz's flags are unstable). Either way it first checks that
+# the build reports a crash planted in a target of its own.
 set -euo pipefail
 
 cd "$(dirname "$0")"
@@ -20,14 +22,39 @@ command -v cargo-fuzz >/dev/null || cargo install --locked cargo-fuzz
 target_dir="${FUZZ_TARGET_DIR:-$HOME/.cache/idempotent/fuzz-target}"
 mkdir -p "$target_dir"
 
-cargo +nightly fuzz build --target-dir "$target_dir"
+if rustup toolchain list | grep -q '^nightly'; then
+  fuzz=(cargo +nightly fuzz)
+else
+  echo "no nightly toolchain: fuzzing on stable with RUSTC_BOOTSTRAP=1"
+  export RUSTC_BOOTSTRAP=1
+  fuzz=(cargo fuzz)
+fi
+
+"${fuzz[@]}" build --target-dir "$target_dir"
 scratch="$(mktemp -d)"
 trap 'rm -rf "$scratch"' EXIT
+
+# The planted crash must be found, or nothing this build reports can be trusted.
+mkdir -p "$scratch/planted"
+printf planted > "$scratch/planted/input"
+if "${fuzz[@]}" run --target-dir "$target_dir" planted_crash "$scratch/planted" -- -runs=10 \
+    > "$scratch/planted.log" 2>&1; then
+  cat "$scratch/planted.log"
+  echo "the fuzzing build did not report the planted crash: it cannot find crashes" >&2
+  exit 1
+fi
+grep -q "the planted crash" "$scratch/planted.log" || {
+  cat "$scratch/planted.log"
+  echo "the planted-crash target failed, but not with its crash" >&2
+  exit 1
+}
+echo "== the planted crash is found"
+rm -rf artifacts/planted_crash
 for target in "${targets[@]}"; do
     echo "== $target: ${seconds}s"
     # New inputs go to a scratch directory; the committed corpus is only read.
     mkdir -p "$scratch/$target"
-    cargo +nightly fuzz run --target-dir "$target_dir" "$target" "$scratch/$target" "corpus/$target" -- \
+    "${fuzz[@]}" run --target-dir "$target_dir" "$target" "$scratch/$target" "corpus/$target" -- \
         -max_total_time="$seconds" -print_final_stats=1
 done
 echo "all targets ran ${seconds}s without a crash"

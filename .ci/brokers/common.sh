@@ -27,9 +27,9 @@ broker_lib() {
   echo "$lib"
 }
 
-# The JVM's options: a small heap and a fast start, for a broker of the tests (a few
-# thousand records, two cores shared with the consumers). IDEMPOTENT_JVM_OPTS replaces
-# them, e.g. for a benchmark.
+# The JVM's options: a small heap and one GC thread, for brokers of the tests (a few
+# thousand records, two cores shared with the consumers and often several brokers at
+# once). IDEMPOTENT_JVM_OPTS replaces them.
 jvm_opts() {
-  echo "${IDEMPOTENT_JVM_OPTS:--Xms256m -Xmx768m -XX:+UseSerialGC -XX:TieredStopAtLevel=1 -XX:-UsePerfData}"
+  echo "${IDEMPOTENT_JVM_OPTS:--Xms256m -Xmx768m -XX:+UseSerialGC -XX:-UsePerfData}"
 }
