@@ -100,9 +100,9 @@ async fn exactly_once(broker: &kafka::Broker, settings: &Settings) -> Duration {
     let (input, output, dead) = topics(broker, settings).await;
     let group = format!("bench-{}", Token::random());
     let member: StreamConsumer<KafkaContext> = broker.member(&group, &input);
-    let transactional: FutureProducer =
-        broker.config().set("transactional.id", &group).set("linger.ms", "1").create().unwrap();
-    let consumer = ExactlyOnceConsumer::new(member, transactional, &dead).unwrap();
+    let mut transactional = broker.config();
+    transactional.set("transactional.id", &group).set("linger.ms", "1");
+    let consumer = ExactlyOnceConsumer::new(member, &transactional, &dead).unwrap();
     let start = Instant::now();
     let run = consumer.run(|m| {
         let record = OutputRecord::to(&output)

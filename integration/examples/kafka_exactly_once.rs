@@ -79,9 +79,9 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         .create_with_context(KafkaContext::default())?;
     member.subscribe(&[&topic])?;
     // One transactional id per process: the group's generation fences a zombie.
-    let transactional: FutureProducer =
-        config.clone().set("transactional.id", format!("invoicing-{run}")).create()?;
-    let consumer = ExactlyOnceConsumer::new(member, transactional, &dead)?;
+    let mut transactional = config.clone();
+    transactional.set("transactional.id", format!("invoicing-{run}"));
+    let consumer = ExactlyOnceConsumer::new(member, &transactional, &dead)?;
     let store = MemoryStore::new();
     // Runs until every order is committed, then stops.
     let done = async {

@@ -58,7 +58,9 @@ struct Seen {
 
 /// The transform: one invoice per order, to `out`; rejected orders fail for good,
 /// flaky ones fail their first attempt. `hold`: the order at which the handler prints
-/// `holding` and waits, to be killed or stopped there.
+/// `holding` and waits, to be stopped there. `stall`: the order whose invoice goes with
+/// a record to `{out}.missing`, a topic the test creates later: the transaction
+/// waits for it, its other records produced and not committed.
 #[idempotent(key = "{message_id}", store = store, namespace = "invoice", cache = true, max_attempts = 5, lease = 5)]
 async fn invoice(
     msg: KafkaMessage,
@@ -66,6 +68,7 @@ async fn invoice(
     seen: &Seen,
     out: &str,
     hold: Option<u64>,
+    stall: Option<u64>,
 ) -> Result<Produced, Fault> {
     let id = order_id(&msg.payload);
     let start = {
@@ -87,7 +90,11 @@ async fn invoice(
         tokio::time::sleep(Duration::from_secs(12)).await;
     }
     let record = OutputRecord::to(out).key(id.to_string()).payload(format!("invoice {id}"));
-    Ok(Produced::by(&msg).record(record))
+    let mut produced = Produced::by(&msg).record(record);
+    if stall == Some(id) {
+        produced = produced.record(OutputRecord::to(format!("{out}.missing")).payload("audit"));
+    }
+    Ok(produced)
 }
 
 /// Publishes order `ids` to `topic` keyed by order id, each with a `message-id` that
@@ -141,13 +148,13 @@ fn member(broker_address: &str, group: &str, topic: &str) -> StreamConsumer<Kafk
     consumer
 }
 
-fn transactional_producer(broker_address: &str, id: &str) -> FutureProducer {
-    ClientConfig::new()
+fn transactional_producer(broker_address: &str, id: &str) -> ClientConfig {
+    let mut config = ClientConfig::new();
+    config
         .set("bootstrap.servers", broker_address)
         .set("transactional.id", id)
-        .set("transaction.timeout.ms", "20000")
-        .create()
-        .unwrap()
+        .set("transaction.timeout.ms", "20000");
+    config
 }
 
 /// Reads `topic` from the start with `isolation` until `want` records came, then 2 s
@@ -305,7 +312,7 @@ fn spawn_member(
 ) -> tokio::task::JoinHandle<()> {
     let consumer = ExactlyOnceConsumer::new(
         member(broker, group, &topics.input),
-        transactional_producer(broker, transactional_id),
+        &transactional_producer(broker, transactional_id),
         topics.dead.clone(),
     )
     .unwrap()
@@ -317,7 +324,7 @@ fn spawn_member(
                 let (store, seen, out, handled) =
                     (store.clone(), seen.clone(), out.clone(), handled.clone());
                 async move {
-                    let result = invoice(msg, &store, &seen, &out, None).await;
+                    let result = invoice(msg, &store, &seen, &out, None, None).await;
                     handled.fetch_add(1, Ordering::Relaxed);
                     result
                 }
@@ -383,11 +390,12 @@ fn exactly_once_member_process() {
     let (broker, group, input) = (env("EOS_BROKER"), env("EOS_GROUP"), env("EOS_INPUT"));
     let (output, dead, id) = (env("EOS_OUTPUT"), env("EOS_DEAD"), env("EOS_TRANSACTIONAL_ID"));
     let hold: Option<u64> = std::env::var("EOS_HOLD").ok().map(|h| h.parse().unwrap());
+    let stall: Option<u64> = std::env::var("EOS_STALL").ok().map(|h| h.parse().unwrap());
     let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build().unwrap();
     runtime.block_on(async move {
         let consumer = ExactlyOnceConsumer::new(
             member(&broker, &group, &input),
-            transactional_producer(&broker, &id),
+            &transactional_producer(&broker, &id),
             dead,
         )
         .unwrap()
@@ -395,7 +403,10 @@ fn exactly_once_member_process() {
         .max_batch(50);
         let (store, seen) = (redis_store().await, Seen::default());
         println!("started");
-        consumer.run(|msg| invoice(msg, &store, &seen, &output, hold)).await.expect("consuming");
+        consumer
+            .run(|msg| invoice(msg, &store, &seen, &output, hold, stall))
+            .await
+            .expect("consuming");
     });
 }
 
@@ -406,7 +417,15 @@ struct MemberProcess {
 }
 
 impl MemberProcess {
-    fn start(broker: &str, group: &str, topics: &Topics, id: &str, hold: Option<u64>) -> Self {
+    /// `at`: an order the member holds its handler at (`EOS_HOLD`) or stalls its
+    /// transaction at (`EOS_STALL`).
+    fn start(
+        broker: &str,
+        group: &str,
+        topics: &Topics,
+        id: &str,
+        at: Option<(&str, u64)>,
+    ) -> Self {
         let mut command = Command::new(std::env::current_exe().unwrap());
         command
             .args(["--ignored", "--exact", "exactly_once_member_process", "--nocapture"])
@@ -418,8 +437,8 @@ impl MemberProcess {
             .env("EOS_TRANSACTIONAL_ID", id)
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit());
-        if let Some(hold) = hold {
-            command.env("EOS_HOLD", hold.to_string());
+        if let Some((what, order)) = at {
+            command.env(what, order.to_string());
         }
         let mut child = command.spawn().unwrap();
         let stdout = child.stdout.take().unwrap();
@@ -459,13 +478,16 @@ impl Drop for MemberProcess {
     }
 }
 
-/// A member process is SIGKILLed while its handler holds an order mid-transaction
-/// (other orders of the batch already produced into it); a new process takes over.
-/// A `read_committed` reader sees each invoice once and nothing of the killed
-/// transaction.
+/// A member process is SIGKILLed mid-transaction: the invoices of its first batch
+/// are produced, and the transaction waits for a topic that does not exist yet (order
+/// 0 also writes to it). A new process of the same `transactional.id` takes over
+/// once the topic is there. A `read_committed` reader sees each invoice once; the
+/// killed transaction's records are in the log, aborted.
 #[test]
 fn a_member_killed_mid_transaction_leaves_nothing_of_it_visible() {
-    let Some(broker) = Broker::start() else { return };
+    let Some(broker) = Broker::start_with(&[("auto.create.topics.enable", "false")]) else {
+        return;
+    };
     let unique = 2_000;
     let topics = block_on(async {
         let topics = Topics::create(&broker).await;
@@ -473,10 +495,22 @@ fn a_member_killed_mid_transaction_leaves_nothing_of_it_visible() {
         topics
     });
     let group = format!("invoicing-{}", topics.input);
-    let victim = MemberProcess::start(&broker.address, &group, &topics, "invoicing-1", Some(700));
-    victim.wait_for("holding 700");
+    let victim = MemberProcess::start(
+        &broker.address,
+        &group,
+        &topics,
+        "invoicing-1",
+        Some(("EOS_STALL", 0)),
+    );
+    victim.wait_for("started");
+    // The first transaction's invoices show to a reader of uncommitted records.
+    let produced = read(&broker.address, &topics.output, "read_uncommitted", 1);
+    assert!(!produced.is_empty(), "the member never produced into its transaction");
     victim.signal("-KILL");
     drop(victim);
+    let committed = read(&broker.address, &topics.output, "read_committed", 0);
+    assert!(committed.is_empty(), "{} invoices committed before the kill", committed.len());
+    block_on(broker.create_topics(&[(&format!("{}.missing", topics.output), 1)]));
     // The next process of the same transactional id fences the dead one's
     // transaction and aborts it at once.
     let heir = MemberProcess::start(&broker.address, &group, &topics, "invoicing-1", None);
@@ -504,7 +538,13 @@ fn a_zombie_cannot_commit_what_another_member_took_over() {
         topics
     });
     let group = format!("invoicing-{}", topics.input);
-    let zombie = MemberProcess::start(&broker.address, &group, &topics, "invoicing-z", Some(300));
+    let zombie = MemberProcess::start(
+        &broker.address,
+        &group,
+        &topics,
+        "invoicing-z",
+        Some(("EOS_HOLD", 300)),
+    );
     zombie.wait_for("holding 300");
     zombie.signal("-STOP");
     let other = MemberProcess::start(&broker.address, &group, &topics, "invoicing-o", None);
@@ -532,17 +572,18 @@ fn a_run_dropped_mid_batch_and_run_again_produces_each_output_once() {
         let group = format!("invoicing-{}", topics.input);
         let consumer = ExactlyOnceConsumer::new(
             member(&broker.address, &group, &topics.input),
-            transactional_producer(&broker.address, "invoicing-again"),
+            &transactional_producer(&broker.address, "invoicing-again"),
             topics.dead.clone(),
         )
         .unwrap()
         .retry_delay(Duration::from_millis(100))
         .max_batch(50);
         let (store, seen) = (redis_store().await, Seen::default());
-        let first = consumer.run(|msg| invoice(msg, &store, &seen, &topics.output, Some(150)));
+        let first =
+            consumer.run(|msg| invoice(msg, &store, &seen, &topics.output, Some(150), None));
         let dropped = tokio::time::timeout(Duration::from_secs(4), first).await;
         assert!(dropped.is_err(), "the first run ended by itself: {dropped:?}");
-        let again = consumer.run(|msg| invoice(msg, &store, &seen, &topics.output, None));
+        let again = consumer.run(|msg| invoice(msg, &store, &seen, &topics.output, None, None));
         let address = broker.address.clone();
         let check = tokio::task::spawn_blocking({
             let (group, topics) = (group.clone(), topics.clone());
@@ -551,6 +592,169 @@ fn a_run_dropped_mid_batch_and_run_again_produces_each_output_once() {
         tokio::select! {
             ran = again => panic!("run ended: {ran:?}"),
             checked = check => checked.unwrap(),
+        }
+    });
+}
+
+/// The handlers' calls so far.
+fn calls(seen: &Seen) -> u32 {
+    seen.starts.lock().unwrap().values().sum()
+}
+
+/// `run` dropped while it gathers a batch (inside a long commit interval), after
+/// earlier batches committed; then `run` again on the same consumer. The records the
+/// dropped gathering had taken are read again: each invoice once.
+#[test]
+fn a_run_dropped_while_gathering_loses_nothing() {
+    let Some(broker) = Broker::start() else { return };
+    block_on(async {
+        let topics = Topics::create(&broker).await;
+        let group = format!("invoicing-{}", topics.input);
+        let consumer = ExactlyOnceConsumer::new(
+            member(&broker.address, &group, &topics.input),
+            &transactional_producer(&broker.address, &format!("gathering-{}", topics.input)),
+            topics.dead.clone(),
+        )
+        .unwrap()
+        .commit_interval(Duration::from_secs(3))
+        .max_batch(10_000);
+        let (store, seen) = (redis_store().await, Seen::default());
+        publish(&broker, &topics.input, 0..100).await;
+        let dropped = async {
+            while calls(&seen) < 100 {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            // The batch of the first 100 commits; the next 100 arrive and are being
+            // gathered when `run` is dropped, 1.5 s into its 3 s interval.
+            tokio::time::sleep(Duration::from_secs(2)).await;
+            publish(&broker, &topics.input, 100..200).await;
+            tokio::time::sleep(Duration::from_millis(1_500)).await;
+        };
+        tokio::select! {
+            ran = consumer.run(|msg| invoice(msg, &store, &seen, &topics.output, None, None)) => {
+                panic!("run ended: {ran:?}")
+            }
+            () = dropped => {}
+        }
+        publish(&broker, &topics.input, 200..300).await;
+        let check = tokio::task::spawn_blocking({
+            let (address, group, topics) = (broker.address.clone(), group.clone(), topics.clone());
+            move || assert_exactly_once(&address, &group, &topics, 300)
+        });
+        tokio::select! {
+            ran = consumer.run(|msg| invoice(msg, &store, &seen, &topics.output, None, None)) => {
+                panic!("run ended: {ran:?}")
+            }
+            checked = check => checked.unwrap(),
+        }
+    });
+}
+
+/// Small batches, and a handler that panics once on every tenth order, so that the
+/// panic often comes a few milliseconds after the previous batch's commit; `run` is
+/// started again after each panic, as a supervisor would. Nothing of a panicking
+/// batch is produced (no transaction begins), and each invoice appears once.
+#[test]
+fn panics_between_commits_lose_nothing_and_double_nothing() {
+    let Some(broker) = Broker::start() else { return };
+    let unique = 200;
+    block_on(async {
+        let topics = Topics::create(&broker).await;
+        let group = format!("invoicing-{}", topics.input);
+        publish(&broker, &topics.input, 0..unique).await;
+        let consumer = Arc::new(
+            ExactlyOnceConsumer::new(
+                member(&broker.address, &group, &topics.input),
+                &transactional_producer(&broker.address, &format!("panics-{}", topics.input)),
+                topics.dead.clone(),
+            )
+            .unwrap()
+            .max_batch(5),
+        );
+        let (store, seen) = (redis_store().await, Arc::new(Seen::default()));
+        let panicked: Arc<Mutex<HashSet<u64>>> = Arc::default();
+        let check = tokio::task::spawn_blocking({
+            let (address, group, topics) = (broker.address.clone(), group.clone(), topics.clone());
+            move || assert_exactly_once(&address, &group, &topics, unique)
+        });
+        let supervise = async {
+            let mut panics = 0;
+            loop {
+                let (consumer, store, seen) = (consumer.clone(), store.clone(), seen.clone());
+                let (output, panicked) = (topics.output.clone(), panicked.clone());
+                let run = tokio::spawn(async move {
+                    consumer
+                        .run(|msg| {
+                            let (store, seen) = (store.clone(), seen.clone());
+                            let (output, panicked) = (output.clone(), panicked.clone());
+                            async move {
+                                let id = order_id(&msg.payload);
+                                if id % 10 == 3 && panicked.lock().unwrap().insert(id) {
+                                    panic!("a planted panic at order {id}");
+                                }
+                                invoice(msg, &store, &seen, &output, None, None).await
+                            }
+                        })
+                        .await
+                });
+                match run.await {
+                    Err(joined) if joined.is_panic() => panics += 1,
+                    ended => panic!("run ended after {panics} panics: {ended:?}"),
+                }
+            }
+        };
+        tokio::select! {
+            checked = check => checked.unwrap(),
+            () = supervise => {}
+        }
+        assert_eq!(panicked.lock().unwrap().len(), 20, "every planted panic happened");
+    });
+}
+
+/// Another producer takes the consumer's `transactional.id` mid-stream (initializing
+/// its transactions fences the consumer's producer: a fatal error). The consumer makes
+/// its producer anew, reads the batch again, and goes on: each invoice once.
+#[test]
+fn a_producer_fenced_by_another_with_its_id_is_made_anew() {
+    let Some(broker) = Broker::start() else { return };
+    let unique = 400;
+    block_on(async {
+        let topics = Topics::create(&broker).await;
+        let group = format!("invoicing-{}", topics.input);
+        publish(&broker, &topics.input, 0..unique).await;
+        let id = format!("fenced-{}", topics.input);
+        let consumer = ExactlyOnceConsumer::new(
+            member(&broker.address, &group, &topics.input),
+            &transactional_producer(&broker.address, &id),
+            topics.dead.clone(),
+        )
+        .unwrap()
+        .max_batch(10);
+        let (store, seen) = (redis_store().await, Seen::default());
+        let intrude = async {
+            while calls(&seen) < 100 {
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+            let intruder: FutureProducer =
+                transactional_producer(&broker.address, &id).create().unwrap();
+            tokio::task::spawn_blocking(move || {
+                use rdkafka::producer::Producer;
+                intruder.init_transactions(Duration::from_secs(30)).unwrap();
+            })
+            .await
+            .unwrap();
+            let (address, group, topics) = (broker.address.clone(), group.clone(), topics.clone());
+            tokio::task::spawn_blocking(move || {
+                assert_exactly_once(&address, &group, &topics, unique)
+            })
+            .await
+            .unwrap();
+        };
+        tokio::select! {
+            ran = consumer.run(|msg| invoice(msg, &store, &seen, &topics.output, None, None)) => {
+                panic!("run ended: {ran:?}")
+            }
+            () = intrude => {}
         }
     });
 }

@@ -58,15 +58,34 @@ impl Broker {
         config
     }
 
-    /// Creates each `(topic, partitions)`.
+    /// Creates each `(topic, partitions)`. A broker just started on a busy machine may
+    /// answer slowly: a request that times out is made again (a topic it did create
+    /// meanwhile counts as created).
     pub async fn create_topics(&self, topics: &[(&str, i32)]) {
+        use rdkafka::types::RDKafkaErrorCode;
         let admin: AdminClient<DefaultClientContext> = self.config().create().unwrap();
         let topics: Vec<NewTopic<'_>> = topics
             .iter()
             .map(|(name, partitions)| NewTopic::new(name, *partitions, TopicReplication::Fixed(1)))
             .collect();
-        for created in admin.create_topics(&topics, &AdminOptions::new()).await.unwrap() {
-            created.unwrap();
+        let wait = Some(std::time::Duration::from_secs(60));
+        let options = AdminOptions::new().request_timeout(wait).operation_timeout(wait);
+        for attempt in 1.. {
+            match admin.create_topics(&topics, &options).await {
+                Ok(created) => {
+                    for result in created {
+                        match result {
+                            Err((_, RDKafkaErrorCode::TopicAlreadyExists)) if attempt > 1 => {}
+                            other => {
+                                other.unwrap();
+                            }
+                        }
+                    }
+                    return;
+                }
+                Err(error) if attempt < 3 => eprintln!("creating topics: {error}; again"),
+                Err(error) => panic!("creating topics: {error}"),
+            }
         }
     }
 

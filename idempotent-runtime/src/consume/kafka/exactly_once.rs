@@ -8,6 +8,7 @@ use std::sync::{Mutex, PoisonError};
 use std::time::Duration;
 
 use futures_util::{FutureExt as _, StreamExt as _};
+use rdkafka::config::ClientConfig;
 use rdkafka::consumer::{Consumer, StreamConsumer};
 use rdkafka::error::KafkaError;
 use rdkafka::message::{Header, OwnedHeaders};
@@ -143,36 +144,40 @@ impl<E> Transformed for Result<Outcome<Produced>, Error<E>> {
 /// default).
 ///
 /// The consumer is created as for [`KafkaConsumer`](super::KafkaConsumer)
-/// (`enable.auto.commit=false`, a [`KafkaContext`]); the producer with a
+/// (`enable.auto.commit=false`, a [`KafkaContext`]); the producer's settings with a
 /// `transactional.id` of its own (one per process: the group's generation fences a
-/// zombie, not the id). [`new`](ExactlyOnceConsumer::new) initializes its
-/// transactions, fencing an earlier producer with the same id.
+/// zombie, not the id). [`new`](ExactlyOnceConsumer::new) makes the producer and
+/// initializes its transactions, fencing an earlier producer with the same id.
 ///
 /// [`run`](ExactlyOnceConsumer::run) reads a batch (up to
 /// [`max_batch`](ExactlyOnceConsumer::max_batch) records, or what arrives within
-/// [`commit_interval`](ExactlyOnceConsumer::commit_interval) of the first), begins a
-/// transaction, and hands each record to the handler: the records of one partition one
-/// after the other in offset order, up to
-/// [`concurrency`](ExactlyOnceConsumer::concurrency) partitions at once. Each record
-/// is settled by its result:
+/// [`commit_interval`](ExactlyOnceConsumer::commit_interval) of the first) and hands
+/// each record to the handler: the records of one partition one after the other in
+/// offset order, up to [`concurrency`](ExactlyOnceConsumer::concurrency) partitions at
+/// once. Each record is settled by its result:
 ///
-/// * Ack → the handler's [`Produced`] records are produced in the transaction, and
-///   the partition's offset moves past the record;
-/// * DeadLetter → the record is produced to the dead-letter topic in the transaction
-///   (with `idempotent-source-topic`, `-partition`, `-offset` headers), and the offset
-///   moves past it;
+/// * Ack → the handler's [`Produced`] records are to be produced, and the partition's
+///   offset moves past the record;
+/// * DeadLetter → the record is to be produced to the dead-letter topic (with
+///   `idempotent-source-topic`, `-partition`, `-offset` headers), and the offset moves
+///   past it;
 /// * Retry → the partition stops at the record for this batch: nothing of it or of
 ///   its later records is produced, its offset stays before it, and after the
 ///   transaction the partition is sought back to it and paused for the retry delay;
-/// * a panic → the transaction is aborted, every partition of the batch rewound, and
-///   the panic resumed: nothing of the batch is visible.
+/// * a panic → nothing of the batch is produced, every partition of the batch reads
+///   again from its committed offset, and the panic is resumed.
 ///
-/// Then the offsets are sent to the transaction with the consumer's group metadata and
-/// the transaction committed. A transaction that cannot commit (the group rebalanced,
-/// a broker failed) is aborted and every partition of the batch rewound to where the
-/// batch began: its records are handled again, and nothing of the aborted attempt is
-/// ever visible to a `read_committed` reader. A fatal producer error (another producer
-/// with the same `transactional.id` fenced this one) ends `run` with the error.
+/// Then one transaction begins, takes what the batch produces and the offsets (sent
+/// with the consumer's group metadata), and commits. The handlers run before it
+/// begins, so their time does not count against the transaction's timeout
+/// (`transaction.timeout.ms`, 60 s by default); the batch's time does count against
+/// the consumer's `max.poll.interval.ms` (5 min). A transaction that cannot commit
+/// (the group rebalanced, a broker failed) is aborted and every partition of the
+/// batch reads again from the group's committed offset: its records are handled
+/// again, and nothing of the aborted attempt is ever visible to a `read_committed`
+/// reader. A producer that met a fatal error (its transaction timed out on the
+/// broker, another producer took its `transactional.id`) is made anew from its
+/// settings, and the batch read again.
 ///
 /// A duplicate whose `#[idempotent(cache = true)]` result is replayed
 /// ([`Output::Replayed`]) produces its records again only if the record that first
@@ -191,7 +196,6 @@ impl<E> Transformed for Result<Outcome<Produced>, Error<E>> {
 /// use idempotent_runtime::{Error, Outcome};
 /// use rdkafka::ClientConfig;
 /// use rdkafka::consumer::{Consumer, StreamConsumer};
-/// use rdkafka::producer::FutureProducer;
 ///
 /// // An #[idempotent(cache = true)] function returning `Result<Produced, E>`.
 /// async fn invoice(msg: KafkaMessage) -> Result<Outcome<Produced>, Error<std::io::Error>> {
@@ -205,17 +209,20 @@ impl<E> Transformed for Result<Outcome<Produced>, Error<E>> {
 ///     .set("enable.auto.commit", "false")
 ///     .create_with_context(KafkaContext::default())?;
 /// consumer.subscribe(&["orders"])?;
-/// let producer: FutureProducer = ClientConfig::new()
+/// let mut producer = ClientConfig::new();
+/// producer
 ///     .set("bootstrap.servers", "127.0.0.1:9092")
-///     .set("transactional.id", format!("invoicing-{}", std::process::id()))
-///     .create()?;
-/// let consumer = ExactlyOnceConsumer::new(consumer, producer, "orders.dead")?;
+///     .set("transactional.id", format!("invoicing-{}", std::process::id()));
+/// let consumer = ExactlyOnceConsumer::new(consumer, &producer, "orders.dead")?;
 /// consumer.run(invoice).await
 /// # }
 /// ```
 pub struct ExactlyOnceConsumer {
     consumer: StreamConsumer<KafkaContext>,
-    producer: FutureProducer,
+    /// The transactional producer, made anew from `producer_config` after a fatal
+    /// error.
+    producer: Mutex<FutureProducer>,
+    producer_config: ClientConfig,
     dead_letter_topic: String,
     retry_delay: Duration,
     concurrency: usize,
@@ -261,22 +268,29 @@ struct Settled {
     next: Option<i64>,
     /// The record left for retry, its partition's assignment, and when it is due.
     retry: Option<(i64, u64, Instant)>,
-    /// Deliveries of what the partition's records produced.
-    sent: Vec<DeliveryFuture>,
+    /// What the partition's records produce, once the transaction begins.
+    produce: Vec<Produce>,
     /// The handler panicked: its payload.
     panic: Option<Box<dyn std::any::Any + Send>>,
-    /// Producing failed.
-    error: Option<KafkaError>,
+}
+
+/// A record for the transaction to produce.
+enum Produce {
+    Output(OutputRecord),
+    DeadLetter(KafkaMessage),
 }
 
 impl ExactlyOnceConsumer {
-    /// Wraps a subscribed consumer created with a [`KafkaContext`] and a producer with
-    /// a `transactional.id`; dead letters go to `dead_letter_topic`. Initializes the
+    /// Wraps a subscribed consumer created with a [`KafkaContext`], and makes a
+    /// transactional producer from `producer` (its settings must include a
+    /// `transactional.id`); dead letters go to `dead_letter_topic`. Initializes the
     /// producer's transactions (blocking, up to 30 s), which fences any earlier
-    /// producer with the same id and aborts its open transaction.
+    /// producer with the same id and aborts its open transaction. The consumer makes
+    /// the producer anew from the same settings after a fatal error (see
+    /// [`run`](ExactlyOnceConsumer::run)).
     pub fn new(
         consumer: StreamConsumer<KafkaContext>,
-        producer: FutureProducer,
+        producer: &ClientConfig,
         dead_letter_topic: impl Into<String>,
     ) -> Result<ExactlyOnceConsumer, KafkaError> {
         if consumer.group_metadata().is_none() {
@@ -285,11 +299,20 @@ impl ExactlyOnceConsumer {
                     .into(),
             ));
         }
+        if producer.get("transactional.id").is_none_or(str::is_empty) {
+            return Err(KafkaError::ClientCreation(
+                "exactly-once produces in transactions: set the producer's transactional.id \
+                 (one per process, e.g. the service's name and the process's id)"
+                    .into(),
+            ));
+        }
         let timeout = Duration::from_secs(30);
-        producer.init_transactions(timeout)?;
+        let made: FutureProducer = producer.create()?;
+        made.init_transactions(timeout)?;
         Ok(ExactlyOnceConsumer {
             consumer,
-            producer,
+            producer: Mutex::new(made),
+            producer_config: producer.clone(),
             dead_letter_topic: dead_letter_topic.into(),
             retry_delay: Duration::from_millis(500),
             concurrency: DEFAULT_CONCURRENCY,
@@ -334,11 +357,13 @@ impl ExactlyOnceConsumer {
         &self.consumer
     }
 
-    /// Handles batches, each in one transaction, until receiving fails or the
-    /// producer meets a fatal error (see the type's documentation). Dropped mid-batch,
-    /// the batch's transaction is left undecided; the next `run` first aborts it if it
-    /// is still open, and reads the batch's partitions on from the group's committed
-    /// offsets.
+    /// Handles batches, each in one transaction, until receiving fails, or a
+    /// transaction can neither commit nor abort (the broker gone for longer than the
+    /// 30 s timeout). A producer that meets a fatal error (its transaction timed out
+    /// on the broker, or another producer took its `transactional.id`) is made anew
+    /// and the batch read again. Dropped mid-batch, the batch is left undecided: the
+    /// next `run` first aborts its transaction if one is still open, and reads the
+    /// batch's partitions on from the group's committed offsets.
     pub async fn run<F, Fut, R>(&self, handler: F) -> Result<(), KafkaError>
     where
         F: FnMut(KafkaMessage) -> Fut,
@@ -366,9 +391,13 @@ impl ExactlyOnceConsumer {
         if undecided.is_empty() {
             return Ok(());
         }
+        if self.producer_is_dead() {
+            self.renew_producer().await?;
+        }
         match self.blocking(|p, t| p.abort_transaction(t)).await {
-            // No transaction was open: it had committed, or aborted.
+            // No transaction was open: it had committed, or aborted, or never begun.
             Err(KafkaError::Transaction(e)) if e.code() == RDKafkaErrorCode::State => {}
+            Err(_) if self.producer_is_dead() => self.renew_producer().await?,
             other => other?,
         }
         let mut list = TopicPartitionList::new();
@@ -410,12 +439,41 @@ impl ExactlyOnceConsumer {
         }
     }
 
+    fn producer(&self) -> FutureProducer {
+        self.producer.lock().unwrap_or_else(PoisonError::into_inner).clone()
+    }
+
+    /// Whether the producer met a fatal error, after which it can do nothing more.
+    fn producer_is_dead(&self) -> bool {
+        self.producer().client().fatal_error().is_some()
+    }
+
+    /// Makes the producer anew and initializes its transactions, which aborts what the
+    /// dead one left open.
+    async fn renew_producer(&self) -> Result<(), KafkaError> {
+        if let Some((code, reason)) = self.producer().client().fatal_error() {
+            tracing::error!(?code, %reason, "the transactional producer died: making it anew");
+        }
+        let made: FutureProducer = self.producer_config.create()?;
+        let (calls, timeout, fresh) = (self.calls.clone(), self.timeout, made.clone());
+        let init = move || {
+            let _one_at_a_time = calls.lock().unwrap_or_else(PoisonError::into_inner);
+            fresh.init_transactions(timeout)
+        };
+        match tokio::task::spawn_blocking(init).await {
+            Ok(result) => result?,
+            Err(joined) => std::panic::resume_unwind(joined.into_panic()),
+        }
+        *self.producer.lock().unwrap_or_else(PoisonError::into_inner) = made;
+        Ok(())
+    }
+
     /// Runs a blocking call of the transactional producer off the async threads.
     async fn blocking<T: Send + 'static>(
         &self,
         call: impl FnOnce(&FutureProducer, Duration) -> Result<T, KafkaError> + Send + 'static,
     ) -> Result<T, KafkaError> {
-        let (producer, timeout, calls) = (self.producer.clone(), self.timeout, self.calls.clone());
+        let (producer, timeout, calls) = (self.producer(), self.timeout, self.calls.clone());
         let call = move || {
             let _one_at_a_time = calls.lock().unwrap_or_else(PoisonError::into_inner);
             call(&producer, timeout)
@@ -430,22 +488,25 @@ impl ExactlyOnceConsumer {
     /// received, what arrives within the commit interval, up to `max_batch`. Records
     /// of a partition reassigned meanwhile are left out.
     async fn gather(&self) -> Result<BTreeMap<(String, i32), Vec<Taken>>, KafkaError> {
-        let mut taken = Vec::new();
+        // The partitions have read past these: dropped here, they are left to the
+        // next `run`, like a batch whose transaction is undecided.
+        let mut taken = Gathering { consumer: self, records: Vec::new() };
         let first = loop {
             if let Some(record) = self.receive().await? {
                 break record;
             }
         };
-        taken.push(first);
+        taken.records.push(first);
         let deadline = Instant::now() + self.commit_interval;
-        while taken.len() < self.max_batch {
+        while taken.records.len() < self.max_batch {
             match tokio::time::timeout_at(deadline, self.receive()).await {
-                Ok(Ok(Some(record))) => taken.push(record),
+                Ok(Ok(Some(record))) => taken.records.push(record),
                 Ok(Ok(None)) => {}
                 Ok(Err(error)) => return Err(error),
                 Err(_) => break,
             }
         }
+        let taken = std::mem::take(&mut taken.records);
         let epochs = self.consumer.context().state().epochs.clone();
         let mut batch: BTreeMap<(String, i32), Vec<Taken>> = BTreeMap::new();
         for record in taken {
@@ -562,7 +623,11 @@ impl ExactlyOnceConsumer {
         }
     }
 
-    /// Handles a batch in one transaction and commits it, or aborts it and rewinds.
+    /// Handles a batch, then produces what it settled to and its offsets in one
+    /// transaction and commits it; or leaves the batch to be read again.
+    ///
+    /// The handlers run before the transaction begins: a handler's time does not
+    /// count against the transaction's timeout, and a panic leaves nothing to abort.
     async fn transact<F, Fut, R>(
         &self,
         batch: BTreeMap<(String, i32), Vec<Taken>>,
@@ -574,8 +639,7 @@ impl ExactlyOnceConsumer {
         Fut: Future<Output = R>,
         R: Transformed,
     {
-        self.producer.begin_transaction()?;
-        // Until the transaction is decided, a drop leaves it to the next `run`.
+        // Until the batch is committed or rewound, a drop leaves it to the next `run`.
         let mut pending = Pending { consumer: self, batch: &batch, decided: false };
         // Made up front, not in a stream adapter's closure: a future borrowing through
         // such a closure is not `Send` (its lifetimes can't be named).
@@ -590,14 +654,12 @@ impl ExactlyOnceConsumer {
             .await;
 
         let mut panic = None;
-        let mut failed = None;
         let mut offsets = TopicPartitionList::new();
-        let mut deliveries = Vec::new();
+        let mut produce = Vec::new();
         let mut retries = Vec::new();
         for ((topic, partition), mut outcome) in settled {
             panic = panic.or(outcome.panic.take());
-            failed = failed.or(outcome.error.take());
-            deliveries.append(&mut outcome.sent);
+            produce.append(&mut outcome.produce);
             if let Some(next) = outcome.next {
                 offsets.add_partition_offset(&topic, partition, Offset::Offset(next))?;
             }
@@ -605,45 +667,53 @@ impl ExactlyOnceConsumer {
                 retries.push((topic, partition, retry));
             }
         }
-        let committed = match (panic.is_some(), failed) {
-            (true, _) => Err(None),
-            (false, Some(error)) => Err(Some(error)),
-            (false, None) => self.commit(offsets.clone(), deliveries).await.map_err(Some),
+        let committed = match panic {
+            Some(_) => Err(KafkaError::Canceled),
+            None => self.produce_and_commit(produce, offsets.clone()).await,
         };
-        match committed {
-            Ok(()) => {
-                pending.decided = true;
-                self.committed(&offsets);
-                for (topic, partition, (offset, epoch, due)) in retries {
-                    self.rewind(&topic, partition, offset, epoch, due, true);
-                }
-                Ok(())
+        if committed.is_ok() {
+            pending.decided = true;
+            self.committed(&offsets);
+            for (topic, partition, (offset, epoch, due)) in retries {
+                self.rewind(&topic, partition, offset, epoch, due, true);
             }
-            Err(error) => {
-                // Aborted, or committed without an answer: either way the group's
-                // committed offsets say where each partition reads on.
-                self.state().undecided.extend(undecided(&batch));
-                pending.decided = true;
-                let recovered = self.recover().await;
-                if let Some(panic) = panic {
-                    std::panic::resume_unwind(panic);
-                }
-                let error = error.unwrap_or(KafkaError::Canceled);
-                if let Err(failed) = recovered {
-                    // The producer is unusable (a fatal error), or the broker gone for
-                    // longer than the timeout: the next `run` tries again.
-                    tracing::error!(%failed, %error, "aborting a transaction failed");
-                    return Err(failed);
-                }
-                match &error {
-                    KafkaError::Transaction(e) if e.is_fatal() => Err(error),
-                    _ => {
-                        tracing::warn!(%error, "transaction aborted; its records are read again");
-                        Ok(())
-                    }
-                }
-            }
+            return Ok(());
         }
+        // Aborted, never begun, or committed without an answer: either way the
+        // group's committed offsets say where each partition reads on.
+        self.state().undecided.extend(undecided(&batch));
+        pending.decided = true;
+        let recovered = self.recover().await;
+        if let Some(panic) = panic {
+            std::panic::resume_unwind(panic);
+        }
+        let error = committed.err().unwrap_or(KafkaError::Canceled);
+        if let Err(failed) = recovered {
+            // The broker gone for longer than the timeout: the next `run` tries again.
+            tracing::error!(%failed, %error, "a transaction could not be aborted");
+            return Err(failed);
+        }
+        tracing::warn!(%error, "transaction aborted; its records are read again");
+        Ok(())
+    }
+
+    /// Begins a transaction, produces `records` in it, sends `offsets` with the
+    /// group's metadata, and commits.
+    async fn produce_and_commit(
+        &self,
+        records: Vec<Produce>,
+        offsets: TopicPartitionList,
+    ) -> Result<(), KafkaError> {
+        let producer = self.producer();
+        producer.begin_transaction()?;
+        let mut deliveries = Vec::with_capacity(records.len());
+        for record in &records {
+            deliveries.push(match record {
+                Produce::Output(output) => self.send(&producer, output).await?,
+                Produce::DeadLetter(message) => self.send_dead_letter(&producer, message).await?,
+            });
+        }
+        self.commit(offsets, deliveries).await
     }
 
     /// Hands a partition's records of the batch to the handler one after the other,
@@ -692,20 +762,15 @@ impl ExactlyOnceConsumer {
                 }
             }
             meter.settled(disposition);
-            let sent = match disposition {
-                Disposition::Ack => produce.iter().try_for_each(|record| {
-                    out.sent.push(self.send(record)?);
-                    Ok(())
-                }),
-                Disposition::DeadLetter => self.send_dead_letter(message).map(|d| out.sent.push(d)),
+            match disposition {
+                Disposition::Ack => {
+                    out.produce.extend(produce.iter().cloned().map(Produce::Output));
+                }
+                Disposition::DeadLetter => out.produce.push(Produce::DeadLetter(message.clone())),
                 Disposition::Retry => {
                     out.retry = Some((message.offset, taken.epoch, deadline_after(delay)));
                     return out;
                 }
-            };
-            if let Err(error) = sent {
-                out.error = Some(error);
-                return out;
             }
             out.next = Some(message.offset + 1);
         }
@@ -752,8 +817,13 @@ impl ExactlyOnceConsumer {
         }
     }
 
-    /// Produces `record` in the open transaction.
-    fn send(&self, record: &OutputRecord) -> Result<DeliveryFuture, KafkaError> {
+    /// Produces `record` in the open transaction, waiting while the producer's queue
+    /// is full.
+    async fn send(
+        &self,
+        producer: &FutureProducer,
+        record: &OutputRecord,
+    ) -> Result<DeliveryFuture, KafkaError> {
         let mut headers = OwnedHeaders::new();
         for (name, value) in &record.headers {
             headers = headers.insert(Header { key: name, value: Some(value) });
@@ -765,18 +835,44 @@ impl ExactlyOnceConsumer {
         if let Some(partition) = record.partition {
             future = future.partition(partition);
         }
-        self.producer.send_result(future).map_err(|(error, _)| error)
+        self.enqueue(producer, future).await
     }
 
     /// Produces `message` to the dead-letter topic in the open transaction.
-    fn send_dead_letter(&self, message: &KafkaMessage) -> Result<DeliveryFuture, KafkaError> {
+    async fn send_dead_letter(
+        &self,
+        producer: &FutureProducer,
+        message: &KafkaMessage,
+    ) -> Result<DeliveryFuture, KafkaError> {
         let mut record = FutureRecord::to(&self.dead_letter_topic)
             .payload(&message.payload)
             .headers(dead_letter_headers(message, true));
         if let Some(key) = &message.key {
             record = record.key(key);
         }
-        self.producer.send_result(record).map_err(|(error, _)| error)
+        self.enqueue(producer, record).await
+    }
+
+    /// Hands `record` to the producer; while its queue is full, waits for room (up to
+    /// the timeout).
+    async fn enqueue(
+        &self,
+        producer: &FutureProducer,
+        mut record: FutureRecord<'_, Vec<u8>, Vec<u8>>,
+    ) -> Result<DeliveryFuture, KafkaError> {
+        let deadline = Instant::now() + self.timeout;
+        loop {
+            match producer.send_result(record) {
+                Ok(delivery) => return Ok(delivery),
+                Err((KafkaError::MessageProduction(RDKafkaErrorCode::QueueFull), again))
+                    if Instant::now() < deadline =>
+                {
+                    record = again;
+                    tokio::time::sleep(Duration::from_millis(10)).await;
+                }
+                Err((error, _)) => return Err(error),
+            }
+        }
     }
 
     /// Waits for the batch's records to be produced, sends the offsets with the
@@ -854,4 +950,24 @@ fn undecided(
     (batch.iter()).filter_map(|((topic, partition), records)| {
         Some((topic.clone(), *partition, records.first()?.epoch))
     })
+}
+
+/// Records received for a batch not yet handed to its transaction: dropped (its `run`
+/// was), they are left to the next `run`, which reads their partitions on from the
+/// group's committed offsets.
+struct Gathering<'a> {
+    consumer: &'a ExactlyOnceConsumer,
+    records: Vec<Taken>,
+}
+
+impl Drop for Gathering<'_> {
+    fn drop(&mut self) {
+        let mut state = self.consumer.state();
+        for record in &self.records {
+            let entry = (record.message.topic.clone(), record.message.partition, record.epoch);
+            if !state.undecided.contains(&entry) {
+                state.undecided.push(entry);
+            }
+        }
+    }
 }
