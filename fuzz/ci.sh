@@ -3,8 +3,9 @@
 # first argument) on its committed corpus. Exits non-zero if a target crashes; the
 # crashing input is left under fuzz/artifacts/<target>/.
 #
-#     fuzz/ci.sh          # 20 s per target
-#     fuzz/ci.sh 60       # 60 s per target
+#     fuzz/ci.sh               # 20 s per target
+#     fuzz/ci.sh 60            # 60 s per target
+#     fuzz/ci.sh --build-only  # install cargo-fuzz if missing and build, nothing more
 #
 # Uses the nightly toolchain if rustup has one; otherwise stable with
 # RUSTC_BOOTSTRAP=1 (cargo-fuzz's flags are unstable). Either way it first checks that
@@ -31,6 +32,7 @@ else
 fi
 
 "${fuzz[@]}" build --target-dir "$target_dir"
+[ "$seconds" != "--build-only" ] || exit 0
 scratch="$(mktemp -d)"
 trap 'rm -rf "$scratch"' EXIT
 

@@ -119,7 +119,10 @@ async fn exactly_once(broker: &kafka::Broker, settings: &Settings) -> Duration {
             for p in 0..settings.partitions {
                 list.add_partition(&input, p);
             }
-            let committed = probe.committed_offsets(list, Duration::from_secs(5)).unwrap();
+            // The group's coordinator may not answer yet on a fresh broker: ask again.
+            let Ok(committed) = probe.committed_offsets(list, Duration::from_secs(5)) else {
+                continue;
+            };
             let total: i64 = (committed.elements().iter())
                 .map(|e| if let Offset::Offset(o) = e.offset() { o } else { 0 })
                 .sum();
