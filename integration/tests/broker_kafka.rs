@@ -19,7 +19,6 @@ use orders::{Fault, World, order_id};
 use rdkafka::consumer::{BaseConsumer, Consumer};
 use rdkafka::message::Message;
 use rdkafka::producer::{FutureProducer, FutureRecord};
-use rdkafka::{Offset, TopicPartitionList};
 
 #[path = "support/kafka.rs"]
 mod kafka;
@@ -127,9 +126,11 @@ fn scenario(concurrency: Option<usize>, settings: &'static [(&'static str, &'sta
             let (committed, ends) = {
                 let broker = broker.clone();
                 let topic = topic.clone();
-                tokio::task::spawn_blocking(move || committed_and_end(&broker, &topic))
-                    .await
-                    .unwrap()
+                tokio::task::spawn_blocking(move || {
+                    kafka::committed_and_end(&broker.address, "billing", &topic, PARTITIONS)
+                })
+                .await
+                .unwrap()
             };
             if done == expected && committed == ends {
                 break;
@@ -151,26 +152,6 @@ fn scenario(concurrency: Option<usize>, settings: &'static [(&'static str, &'sta
         assert_eq!(dead_ids, want, "exactly the rejected orders are dead-lettered");
         assert!(*acked.lock().unwrap() >= 1_900);
     });
-}
-
-/// The group's committed offset and the end offset of each partition.
-fn committed_and_end(broker: &Broker, topic: &str) -> (Vec<i64>, Vec<i64>) {
-    let probe: BaseConsumer = broker.config().set("group.id", "billing").create().unwrap();
-    let mut partitions = TopicPartitionList::new();
-    for p in 0..PARTITIONS {
-        partitions.add_partition(topic, p);
-    }
-    let committed = probe.committed_offsets(partitions, Duration::from_secs(5)).unwrap();
-    let committed = (0..PARTITIONS)
-        .map(|p| match committed.find_partition(topic, p).map(|e| e.offset()) {
-            Some(Offset::Offset(o)) => o,
-            _ => 0,
-        })
-        .collect();
-    let ends = (0..PARTITIONS)
-        .map(|p| probe.fetch_watermarks(topic, p, Duration::from_secs(5)).unwrap().1)
-        .collect();
-    (committed, ends)
 }
 
 /// Every order id on `topic`, read from the start.

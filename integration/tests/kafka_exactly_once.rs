@@ -18,10 +18,10 @@ use idempotent::consume::kafka::{
 use idempotent::testing::{self, block_on};
 use idempotent::{Classify, RedisStore, idempotent};
 use kafka::Broker;
+use rdkafka::ClientConfig;
 use rdkafka::consumer::{BaseConsumer, Consumer, StreamConsumer};
 use rdkafka::message::Message;
 use rdkafka::producer::{FutureProducer, FutureRecord};
-use rdkafka::{ClientConfig, Offset, TopicPartitionList};
 
 #[path = "support/kafka.rs"]
 mod kafka;
@@ -210,30 +210,6 @@ fn read(broker: &str, topic: &str, isolation: &str, want: usize) -> Vec<(u64, Op
     records
 }
 
-/// The group's committed offsets, and the end of each partition.
-fn committed_and_end(broker_address: &str, group: &str, topic: &str) -> (Vec<i64>, Vec<i64>) {
-    let probe: BaseConsumer = ClientConfig::new()
-        .set("bootstrap.servers", broker_address)
-        .set("group.id", group)
-        .create()
-        .unwrap();
-    let mut partitions = TopicPartitionList::new();
-    for p in 0..PARTITIONS {
-        partitions.add_partition(topic, p);
-    }
-    let committed = probe.committed_offsets(partitions, Duration::from_secs(10)).unwrap();
-    let committed = (0..PARTITIONS)
-        .map(|p| match committed.find_partition(topic, p).map(|e| e.offset()) {
-            Some(Offset::Offset(o)) => o,
-            _ => 0,
-        })
-        .collect();
-    let ends = (0..PARTITIONS)
-        .map(|p| probe.fetch_watermarks(topic, p, Duration::from_secs(10)).unwrap().1)
-        .collect();
-    (committed, ends)
-}
-
 /// Checks, from outside, that every good order was invoiced exactly once, every
 /// rejected one dead-lettered (each input record of it once: a duplicate of a
 /// rejected order is a record of its own), and the group committed every input.
@@ -256,7 +232,7 @@ fn assert_exactly_once(broker: &str, group: &str, topics: &Topics, unique: u64) 
     }
     let deadline = Instant::now() + Duration::from_secs(30);
     loop {
-        let (committed, ends) = committed_and_end(broker, group, &topics.input);
+        let (committed, ends) = kafka::committed_and_end(broker, group, &topics.input, PARTITIONS);
         if committed == ends {
             break;
         }

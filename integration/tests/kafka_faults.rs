@@ -52,31 +52,6 @@ fn member(address: &str, group: &str, topic: &str) -> StreamConsumer<KafkaContex
     consumer
 }
 
-/// The group's committed offset and the end offset of each of `partitions`.
-fn committed_and_end(
-    address: &str,
-    group: &str,
-    topic: &str,
-    partitions: i32,
-) -> (Vec<i64>, Vec<i64>) {
-    let probe: BaseConsumer = config(address).set("group.id", group).create().unwrap();
-    let mut list = TopicPartitionList::new();
-    for p in 0..partitions {
-        list.add_partition(topic, p);
-    }
-    let committed = probe.committed_offsets(list, Duration::from_secs(5)).unwrap();
-    let committed = (0..partitions)
-        .map(|p| match committed.find_partition(topic, p).map(|e| e.offset()) {
-            Some(Offset::Offset(o)) => o,
-            _ => 0,
-        })
-        .collect();
-    let ends = (0..partitions)
-        .map(|p| probe.fetch_watermarks(topic, p, Duration::from_secs(5)).unwrap().1)
-        .collect();
-    (committed, ends)
-}
-
 /// Every order id on `topic`, read from the start.
 fn read_all(address: &str, topic: &str) -> HashSet<u64> {
     let reader: BaseConsumer = config(address)
@@ -178,7 +153,7 @@ fn a_broker_killed_and_restarted_mid_consumption_loses_nothing_and_doubles_nothi
             let (committed, ends) = {
                 let (address, topic) = (address.clone(), topic.clone());
                 tokio::task::spawn_blocking(move || {
-                    committed_and_end(&address, "billing", &topic, PARTITIONS)
+                    kafka::committed_and_end(&address, "billing", &topic, PARTITIONS)
                 })
                 .await
                 .unwrap()
@@ -254,9 +229,11 @@ fn a_retried_record_deleted_while_paused_does_not_stop_its_partition() {
             loop {
                 let (committed, _) = {
                     let (address, topic) = (broker.address.clone(), topic.clone());
-                    tokio::task::spawn_blocking(move || committed_and_end(&address, "g", &topic, 1))
-                        .await
-                        .unwrap()
+                    tokio::task::spawn_blocking(move || {
+                        kafka::committed_and_end(&address, "g", &topic, 1)
+                    })
+                    .await
+                    .unwrap()
                 };
                 if committed == [10] {
                     return;

@@ -121,6 +121,36 @@ impl Broker {
     }
 }
 
+/// The committed offset of `group` on each of `topic`'s first `partitions` (0 where
+/// none), and the end of each.
+pub fn committed_and_end(
+    address: &str,
+    group: &str,
+    topic: &str,
+    partitions: i32,
+) -> (Vec<i64>, Vec<i64>) {
+    use rdkafka::consumer::BaseConsumer;
+    use rdkafka::{Offset, TopicPartitionList};
+    let timeout = std::time::Duration::from_secs(10);
+    let mut config = ClientConfig::new();
+    config.set("bootstrap.servers", address).set("group.id", group);
+    let probe: BaseConsumer = config.create().unwrap();
+    let mut list = TopicPartitionList::new();
+    for p in 0..partitions {
+        list.add_partition(topic, p);
+    }
+    let committed = probe.committed_offsets(list, timeout).unwrap();
+    let committed = (0..partitions)
+        .map(|p| match committed.find_partition(topic, p).map(|e| e.offset()) {
+            Some(Offset::Offset(o)) => o,
+            _ => 0,
+        })
+        .collect();
+    let ends =
+        (0..partitions).map(|p| probe.fetch_watermarks(topic, p, timeout).unwrap().1).collect();
+    (committed, ends)
+}
+
 impl Drop for Broker {
     fn drop(&mut self) {
         self.server.kill();

@@ -370,7 +370,7 @@ impl ExactlyOnceConsumer {
         Fut: Future<Output = R>,
         R: Transformed,
     {
-        let meter = ConsumerMeter::new("kafka", &self.topics());
+        let meter = ConsumerMeter::new("kafka", &super::subscribed(&self.consumer));
         let handler = Mutex::new(handler);
         self.recover().await?;
         loop {
@@ -425,18 +425,6 @@ impl ExactlyOnceConsumer {
 
     fn state(&self) -> std::sync::MutexGuard<'_, State> {
         self.state.lock().unwrap_or_else(PoisonError::into_inner)
-    }
-
-    fn topics(&self) -> String {
-        match self.consumer.subscription() {
-            Ok(list) => {
-                let mut topics: Vec<String> =
-                    list.elements().iter().map(|e| e.topic().to_owned()).collect();
-                topics.dedup();
-                topics.join(",")
-            }
-            Err(_) => String::new(),
-        }
     }
 
     fn producer(&self) -> FutureProducer {
@@ -526,7 +514,7 @@ impl ExactlyOnceConsumer {
     /// `None` for a record fetched behind a rewind (skipped).
     async fn receive(&self) -> Result<Option<Taken>, KafkaError> {
         let record = loop {
-            let wake = self.resume_due()?;
+            let wake = super::resume_due(&self.consumer)?;
             let due = async {
                 match wake {
                     Some(at) => tokio::time::sleep_until(at).await,
@@ -567,24 +555,6 @@ impl ExactlyOnceConsumer {
             *seen = Seen { epoch, first: message.offset, committed: None };
         }
         Ok(Some(Taken { message, epoch }))
-    }
-
-    /// Resumes the partitions whose retry delay is over; returns when the next one is.
-    fn resume_due(&self) -> Result<Option<Instant>, KafkaError> {
-        let now = Instant::now();
-        let mut due = TopicPartitionList::new();
-        let mut next = None::<Instant>;
-        for ((topic, partition), rewind) in &self.consumer.context().state().rewound {
-            if rewind.due <= now {
-                due.add_partition(topic, *partition);
-            } else {
-                next = Some(next.map_or(rewind.due, |n| n.min(rewind.due)));
-            }
-        }
-        if due.count() > 0 {
-            self.consumer.resume(&due)?;
-        }
-        Ok(next)
     }
 
     fn seek(&self, topic: &str, partition: i32, offset: i64) -> Result<(), KafkaError> {

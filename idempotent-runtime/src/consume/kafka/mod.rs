@@ -322,6 +322,37 @@ impl Rewind {
     }
 }
 
+/// The topics `consumer` is subscribed to, joined by commas (empty if it can't tell).
+fn subscribed(consumer: &StreamConsumer<KafkaContext>) -> String {
+    match consumer.subscription() {
+        Ok(list) => {
+            let mut topics: Vec<String> =
+                list.elements().iter().map(|e| e.topic().to_owned()).collect();
+            topics.dedup();
+            topics.join(",")
+        }
+        Err(_) => String::new(),
+    }
+}
+
+/// Resumes the partitions whose retry delay is over; returns when the next one is.
+fn resume_due(consumer: &StreamConsumer<KafkaContext>) -> Result<Option<Instant>, KafkaError> {
+    let now = Instant::now();
+    let mut due = TopicPartitionList::new();
+    let mut next = None::<Instant>;
+    for ((topic, partition), rewind) in &consumer.context().state().rewound {
+        if rewind.due <= now {
+            due.add_partition(topic, *partition);
+        } else {
+            next = Some(next.map_or(rewind.due, |n| n.min(rewind.due)));
+        }
+    }
+    if due.count() > 0 {
+        consumer.resume(&due)?;
+    }
+    Ok(next)
+}
+
 /// Skips a record fetched behind its partition's pending rewind, seeking back to the
 /// rewind again (the first seek may not have been applied yet).
 ///
@@ -599,16 +630,7 @@ impl KafkaConsumer {
 
     /// Counts this consumer's deliveries under the topics it is subscribed to.
     fn meter(&self) -> ConsumerMeter {
-        let topics = match self.consumer.subscription() {
-            Ok(list) => {
-                let mut topics: Vec<String> =
-                    list.elements().iter().map(|e| e.topic().to_owned()).collect();
-                topics.dedup();
-                topics.join(",")
-            }
-            Err(_) => String::new(),
-        };
-        ConsumerMeter::new("kafka", &topics)
+        ConsumerMeter::new("kafka", &subscribed(&self.consumer))
     }
 
     /// Receives the next record, resuming the partitions whose retry delay is over
@@ -728,23 +750,7 @@ impl KafkaConsumer {
 
     /// Resumes the partitions whose retry delay is over; returns when the next one is.
     fn resume_due(&self) -> Result<Option<Instant>, KafkaError> {
-        let now = Instant::now();
-        let mut due = TopicPartitionList::new();
-        let mut next = None::<Instant>;
-        {
-            let state = self.consumer.context().state();
-            for ((topic, partition), rewind) in &state.rewound {
-                if rewind.due <= now {
-                    due.add_partition(topic, *partition);
-                } else {
-                    next = Some(next.map_or(rewind.due, |n| n.min(rewind.due)));
-                }
-            }
-        }
-        if due.count() > 0 {
-            self.consumer.resume(&due)?;
-        }
-        Ok(next)
+        resume_due(&self.consumer)
     }
 
     /// Makes `offset` the next record of the partition, from `due` on; until it comes
