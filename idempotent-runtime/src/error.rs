@@ -400,6 +400,14 @@ pub enum StoreError {
         "the record was written by a newer version of idempotent ({0}); it is left as it is and the message is retried: finish the upgrade, or wait for the record to expire"
     )]
     NewerFormat(String),
+    /// The store's server is set up so that it can't keep the store's promise: it
+    /// would lose records (a message would run again) or refuse them (a message would
+    /// be retried for ever). Found when the store connects, or at run time when the
+    /// server turns so (a user's permission revoked, a command renamed): the call's
+    /// disposition is retry, never dead-letter, and the store refuses claims until
+    /// the server is fixed. The text names the setting and what to do.
+    #[error("the store's server is misconfigured: {0}")]
+    Misconfigured(String),
     /// A bounded store holds as many records as it may, none of them expired: the
     /// claim of a new key is refused rather than evict a record still in use. Retry
     /// later, when records have expired.

@@ -86,3 +86,31 @@ fn idempotent_runtime_max_namespace() -> usize {
     }
     low - 1
 }
+
+/// A records' root whose ACL lets the store's session only read: connecting is
+/// refused as a misconfiguration naming the ACL (retried by a consumer, never
+/// dead-lettered), not as a refusal of a message's record.
+#[test]
+fn a_root_the_session_may_not_write_is_a_misconfiguration() {
+    let Some(server) = ZooKeeperServer::start() else { return };
+    block_on(async {
+        use zookeeper_client as zk;
+        let client = zk::Client::connect(&server.hosts()).await.expect("a session");
+        let read_only = zk::CreateMode::Persistent.with_acls(zk::Acls::anyone_read());
+        client.create("/read-only", b"", &read_only).await.expect("the root");
+        let refused = idempotent::ZooKeeperStore::connect_with(
+            &server.hosts(),
+            "/read-only",
+            Duration::from_secs(4),
+        )
+        .await
+        .map(|_| ())
+        .unwrap_err();
+        match refused {
+            idempotent::StoreError::Misconfigured(reason) => {
+                assert!(reason.contains("ACL"), "{reason}")
+            }
+            other => panic!("not a misconfiguration: {other}"),
+        }
+    });
+}

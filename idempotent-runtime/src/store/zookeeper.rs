@@ -666,11 +666,16 @@ async fn make_path(client: &zk::Client, path: &str) -> Result<(), StoreError> {
     Ok(())
 }
 
+/// A ZooKeeper error as a store error. An ACL that refuses the store's session
+/// (`NoAuth`, `InvalidAcl`) is the ensemble's setup, not the message's:
+/// [`StoreError::Misconfigured`], retried, never dead-lettered. Arguments the server
+/// refuses are [`StoreError::Rejected`]; the rest is [`StoreError::Unavailable`].
 fn zk_error(error: zk::Error) -> StoreError {
     match error {
-        zk::Error::NoAuth | zk::Error::InvalidAcl | zk::Error::BadArguments(_) => {
-            StoreError::Rejected(Box::new(error))
-        }
+        zk::Error::NoAuth | zk::Error::InvalidAcl => StoreError::Misconfigured(format!(
+            "ZooKeeper refused the store's session ({error}): the ACL of the records' root or of its records does not let this session create, read, write and delete there"
+        )),
+        zk::Error::BadArguments(_) => StoreError::Rejected(Box::new(error)),
         other => StoreError::unavailable(other),
     }
 }

@@ -62,7 +62,9 @@ impl RedisServer {
         RedisServer::start_with(&["--save", "", "--appendonly", "yes", "--appendfsync", "always"])
     }
 
-    fn start_with(extra: &[&str]) -> RedisServer {
+    /// Starts a server with `extra` arguments (and no `--save` or `--appendonly` of
+    /// its own: pass them).
+    pub fn start_with(extra: &[&str]) -> RedisServer {
         let port = free_port();
         let dir = temp_dir(&format!("redis-{port}"));
         let mut args: Vec<String> =
@@ -195,10 +197,13 @@ fn temp_dir(name: &str) -> PathBuf {
 }
 
 /// A TCP proxy of the test's own in front of a server, which can lose the server's
-/// next reply: it swallows it and closes the client's connection, as a network that
-/// fails after the command ran would. Runs on the current Tokio runtime.
+/// next reply (it swallows it and closes the client's connection, as a network that
+/// fails after the command ran would) and can be pointed at another server (as a
+/// virtual IP or a DNS name moved at a switchover is), which only new connections
+/// reach. Runs on the current Tokio runtime.
 pub struct LossyProxy {
     pub port: u16,
+    upstream: std::sync::Arc<std::sync::atomic::AtomicU16>,
     lose_next: std::sync::Arc<std::sync::atomic::AtomicBool>,
     lost: std::sync::Arc<std::sync::atomic::AtomicU32>,
 }
@@ -206,18 +211,25 @@ pub struct LossyProxy {
 impl LossyProxy {
     pub async fn start(upstream: u16) -> LossyProxy {
         use std::sync::Arc;
-        use std::sync::atomic::{AtomicBool, AtomicU32};
+        use std::sync::atomic::{AtomicBool, AtomicU16, AtomicU32, Ordering};
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
         let port = listener.local_addr().expect("local address").port();
+        let upstream = Arc::new(AtomicU16::new(upstream));
         let lose_next = Arc::new(AtomicBool::new(false));
         let lost = Arc::new(AtomicU32::new(0));
-        let (flag, count) = (lose_next.clone(), lost.clone());
+        let (target, flag, count) = (upstream.clone(), lose_next.clone(), lost.clone());
         tokio::spawn(async move {
             while let Ok((client, _)) = listener.accept().await {
+                let upstream = target.load(Ordering::SeqCst);
                 tokio::spawn(pump(client, upstream, flag.clone(), count.clone()));
             }
         });
-        LossyProxy { port, lose_next, lost }
+        LossyProxy { port, upstream, lose_next, lost }
+    }
+
+    /// New connections go to `upstream`; open ones stay where they are.
+    pub fn retarget(&self, upstream: u16) {
+        self.upstream.store(upstream, std::sync::atomic::Ordering::SeqCst);
     }
 
     pub fn url(&self) -> String {

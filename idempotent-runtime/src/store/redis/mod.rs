@@ -3,16 +3,20 @@
 //! transitions one atomic script each.
 
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, LazyLock};
-use std::time::Duration;
+use std::sync::{Arc, LazyLock, Mutex, RwLock};
+use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use redis::cluster_async::ClusterConnection;
-use redis::{IntoConnectionInfo, RedisError, Script};
+use redis::{Cmd, IntoConnectionInfo, RedisError, Script};
 
 use super::{admin, format};
 use crate::{Claim, Fingerprint, Key, Store, StoreError, Token, Transition};
+
+mod check;
+
+pub use check::{MIN_VERSION, RECHECK_INTERVAL};
 
 /// The default key prefix: records live at `idempotent:{namespace}:{id}`.
 pub const DEFAULT_PREFIX: &str = "idempotent";
@@ -212,7 +216,17 @@ static SCRIPTS: LazyLock<Scripts> = LazyLock::new(|| Scripts {
 ///   when the lease ends. DONE and FAILED records are kept for `ttl`.
 /// * The connection reconnects by itself: while Redis is down, calls fail with a
 ///   store error (the handler does not run) and succeed again once it is back,
-///   without restarting the consumer.
+///   without restarting the consumer. A standalone server that answers `READONLY`
+///   (a master demoted behind the same address: a switchover behind a virtual IP,
+///   a proxy or a moved DNS name) makes the store open a new connection, which
+///   reaches the new master.
+/// * Connecting checks the server ([`check`](RedisStore::check)): a replica, a
+///   server that may evict records, one older than [`MIN_VERSION`] or a user without
+///   the permissions the store needs is refused with
+///   [`StoreError::Misconfigured`]. A server that turns so at run time (a user's
+///   permissions revoked, a command renamed) answers claims with that error, which
+///   a consumer retries (never dead-letters), until the server passes the check
+///   again; see [`RECHECK_INTERVAL`].
 ///
 /// Clones share the connection.
 #[derive(Clone)]
@@ -222,12 +236,203 @@ pub struct RedisStore {
     /// Set once the server refused `SET ... NX ... GET` (before Redis 7.0): claims
     /// then go to the claim script.
     claim_by_script: Arc<AtomicBool>,
+    tolerance: check::Tolerance,
+    refusal: Arc<check::Refusal>,
 }
 
 #[derive(Clone)]
 enum Connection {
-    Standalone(ConnectionManager),
+    Standalone(Standalone),
     Cluster(ClusterConnection),
+}
+
+/// A standalone server's connection, which the store replaces when the server it
+/// reaches was demoted to a replica.
+#[derive(Clone)]
+struct Standalone {
+    manager: Arc<RwLock<ConnectionManager>>,
+    /// How to open a new one: `None` for a connection manager the caller made.
+    reopen: Option<Arc<Reopen>>,
+}
+
+struct Reopen {
+    client: redis::Client,
+    config: ConnectionManagerConfig,
+    /// When a new connection was last asked for: at most one a second.
+    last: Mutex<Option<Instant>>,
+}
+
+impl Standalone {
+    fn manager(&self) -> ConnectionManager {
+        self.manager.read().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
+    /// Opens a new connection in the background, after a `READONLY` answer.
+    fn reopen(&self) {
+        let Some(reopen) = self.reopen.clone() else { return };
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else { return };
+        {
+            let mut last = reopen.last.lock().unwrap_or_else(|e| e.into_inner());
+            if last.is_some_and(|at| at.elapsed() < Duration::from_secs(1)) {
+                return;
+            }
+            *last = Some(Instant::now());
+        }
+        let manager = self.manager.clone();
+        runtime.spawn(async move {
+            match ConnectionManager::new_with_config(reopen.client.clone(), reopen.config.clone())
+                .await
+            {
+                Ok(fresh) => {
+                    *manager.write().unwrap_or_else(|e| e.into_inner()) = fresh;
+                    tracing::warn!(
+                        "the Redis server answered READONLY (it was demoted to a replica): the store opened a new connection to its address"
+                    );
+                }
+                Err(error) => {
+                    tracing::warn!(%error, "reconnecting after a READONLY answer failed; the next one tries again");
+                }
+            }
+        });
+    }
+}
+
+/// How a [`RedisStore`] connects, and what it accepts of its server beyond the
+/// requirements [`RedisStore::check`] enforces.
+///
+/// ```no_run
+/// # async fn run() -> Result<(), idempotent_runtime::StoreError> {
+/// use idempotent_runtime::redis_store::RedisStore;
+///
+/// let store = RedisStore::options().prefix("billing").connect("redis://redis.internal/").await?;
+/// # Ok(())
+/// # }
+/// ```
+#[derive(Debug, Clone)]
+pub struct RedisOptions {
+    tolerance: check::Tolerance,
+    prefix: String,
+    response_timeout: Duration,
+    connection_timeout: Duration,
+}
+
+impl Default for RedisOptions {
+    fn default() -> Self {
+        RedisOptions {
+            tolerance: check::Tolerance::default(),
+            prefix: DEFAULT_PREFIX.to_owned(),
+            response_timeout: DEFAULT_RESPONSE_TIMEOUT,
+            connection_timeout: DEFAULT_CONNECTION_TIMEOUT,
+        }
+    }
+}
+
+impl RedisOptions {
+    /// Connects to a server whose `maxmemory-policy` is not `noeviction`, which
+    /// [`check`](RedisStore::check) otherwise refuses. The cost: under memory
+    /// pressure Redis evicts records (any policy but `noeviction` evicts keys with an
+    /// expiry, and every record has one), and the duplicate of a message whose DONE
+    /// record was evicted runs its handler again; an in-progress record evicted
+    /// mid-handler lets a redelivery run beside it and resets the attempt count, so
+    /// `max_attempts` no longer bounds the runs. Measured in the README ("Running
+    /// Redis for idempotency"). Only for handlers whose effects are idempotent
+    /// themselves, or guarded in the business data.
+    pub fn allow_eviction(mut self) -> Self {
+        self.tolerance.eviction = true;
+        self
+    }
+
+    /// Puts records under `prefix` instead of [`DEFAULT_PREFIX`] (and checks that the
+    /// user may write there).
+    pub fn prefix(mut self, prefix: impl Into<String>) -> Self {
+        self.prefix = prefix.into();
+        self
+    }
+
+    /// How long a command may wait for its reply ([`DEFAULT_RESPONSE_TIMEOUT`]).
+    pub fn response_timeout(mut self, timeout: Duration) -> Self {
+        self.response_timeout = timeout;
+        self
+    }
+
+    /// How long connecting may take ([`DEFAULT_CONNECTION_TIMEOUT`]).
+    pub fn connection_timeout(mut self, timeout: Duration) -> Self {
+        self.connection_timeout = timeout;
+        self
+    }
+
+    /// Connects to a standalone Redis (`redis://host:port/db`, or `rediss://` with the
+    /// `redis-tls` feature) and [checks](RedisStore::check) it.
+    ///
+    /// With `redis-tls`, connecting installs ring as rustls' process-wide crypto
+    /// provider unless the application installed one: the `redis` crate's TLS takes
+    /// the process default, which rustls cannot pick by itself when another dependency
+    /// compiles in its aws-lc-rs provider too.
+    pub async fn connect(self, url: impl IntoConnectionInfo) -> Result<RedisStore, StoreError> {
+        #[cfg(feature = "redis-tls")]
+        ensure_crypto_provider();
+        let client = redis::Client::open(url).map_err(unavailable)?;
+        self.connect_client(client).await
+    }
+
+    /// [`connect`](RedisOptions::connect) over TLS with the certificates given; see
+    /// [`RedisStore::connect_with_tls`].
+    #[cfg(feature = "redis-tls")]
+    #[cfg_attr(docsrs, doc(cfg(feature = "redis-tls")))]
+    pub async fn connect_with_tls(
+        self,
+        url: impl IntoConnectionInfo,
+        certificates: redis::TlsCertificates,
+    ) -> Result<RedisStore, StoreError> {
+        ensure_crypto_provider();
+        let client = redis::Client::build_with_tls(url, certificates).map_err(unavailable)?;
+        self.connect_client(client).await
+    }
+
+    async fn connect_client(self, client: redis::Client) -> Result<RedisStore, StoreError> {
+        let config = ConnectionManagerConfig::new()
+            .set_response_timeout(Some(self.response_timeout))
+            .set_connection_timeout(Some(self.connection_timeout));
+        let manager = ConnectionManager::new_with_config(client.clone(), config.clone())
+            .await
+            .map_err(unavailable)?;
+        let reopen = Reopen { client, config, last: Mutex::new(None) };
+        let connection = Connection::Standalone(Standalone {
+            manager: Arc::new(RwLock::new(manager)),
+            reopen: Some(Arc::new(reopen)),
+        });
+        self.checked(connection).await
+    }
+
+    /// Connects to a Redis Cluster through any of its nodes and
+    /// [checks](RedisStore::check) every master.
+    pub async fn cluster<I>(self, nodes: I) -> Result<RedisStore, StoreError>
+    where
+        I: IntoIterator,
+        I::Item: IntoConnectionInfo,
+    {
+        #[cfg(feature = "redis-tls")]
+        ensure_crypto_provider();
+        let client = redis::cluster::ClusterClientBuilder::new(nodes)
+            .response_timeout(self.response_timeout)
+            .connection_timeout(self.connection_timeout)
+            .build()
+            .map_err(unavailable)?;
+        let connection = client.get_async_connection().await.map_err(unavailable)?;
+        self.checked(Connection::Cluster(connection)).await
+    }
+
+    async fn checked(self, connection: Connection) -> Result<RedisStore, StoreError> {
+        let store = RedisStore {
+            connection,
+            prefix: self.prefix.into(),
+            claim_by_script: Arc::new(AtomicBool::new(false)),
+            tolerance: self.tolerance,
+            refusal: Arc::default(),
+        };
+        store.check().await?;
+        Ok(store)
+    }
 }
 
 impl std::fmt::Debug for RedisStore {
@@ -241,27 +446,34 @@ impl std::fmt::Debug for RedisStore {
 }
 
 impl RedisStore {
+    /// How to connect, and what to accept of the server: see [`RedisOptions`].
+    pub fn options() -> RedisOptions {
+        RedisOptions::default()
+    }
+
     /// Connects to a standalone Redis (`redis://host:port/db`, or `rediss://` with the
     /// `redis-tls` feature), with [`DEFAULT_RESPONSE_TIMEOUT`] and
-    /// [`DEFAULT_CONNECTION_TIMEOUT`].
+    /// [`DEFAULT_CONNECTION_TIMEOUT`], and [checks](RedisStore::check) the server.
     ///
     /// With `redis-tls`, connecting installs ring as rustls' process-wide crypto
     /// provider unless the application installed one: the `redis` crate's TLS takes
     /// the process default, which rustls cannot pick by itself when another dependency
     /// compiles in its aws-lc-rs provider too.
+    ///
+    /// # Errors
+    ///
+    /// [`StoreError::Unavailable`] when the server can't be reached;
+    /// [`StoreError::Misconfigured`] when it can't keep the store's promise.
     pub async fn connect(url: impl IntoConnectionInfo) -> Result<RedisStore, StoreError> {
-        #[cfg(feature = "redis-tls")]
-        ensure_crypto_provider();
-        let client = redis::Client::open(url).map_err(unavailable)?;
-        RedisStore::connect_client(client).await
+        RedisOptions::default().connect(url).await
     }
 
     /// Connects to a standalone Redis over TLS (`rediss://host:port/db`) with the
     /// certificates given instead of the platform's: `root_cert` for a server whose
     /// certificate a private CA signed (only that CA is trusted then), `client_tls` for
     /// a server that asks for client certificates. The server's certificate is still
-    /// verified, against its host name or IP address. Same timeouts and rustls crypto
-    /// provider as [`connect`](RedisStore::connect).
+    /// verified, against its host name or IP address. Same timeouts, check and rustls
+    /// crypto provider as [`connect`](RedisStore::connect).
     ///
     /// ```no_run
     /// # async fn run() -> Result<(), idempotent_runtime::StoreError> {
@@ -281,43 +493,32 @@ impl RedisStore {
         url: impl IntoConnectionInfo,
         certificates: redis::TlsCertificates,
     ) -> Result<RedisStore, StoreError> {
-        ensure_crypto_provider();
-        let client = redis::Client::build_with_tls(url, certificates).map_err(unavailable)?;
-        RedisStore::connect_client(client).await
+        RedisOptions::default().connect_with_tls(url, certificates).await
     }
 
-    async fn connect_client(client: redis::Client) -> Result<RedisStore, StoreError> {
-        let config = ConnectionManagerConfig::new()
-            .set_response_timeout(Some(DEFAULT_RESPONSE_TIMEOUT))
-            .set_connection_timeout(Some(DEFAULT_CONNECTION_TIMEOUT));
-        let manager =
-            ConnectionManager::new_with_config(client, config).await.map_err(unavailable)?;
-        Ok(RedisStore::from_connection_manager(manager))
-    }
-
-    /// Connects to a Redis Cluster through any of its nodes.
+    /// Connects to a Redis Cluster through any of its nodes, and
+    /// [checks](RedisStore::check) every master.
     pub async fn cluster<I>(nodes: I) -> Result<RedisStore, StoreError>
     where
         I: IntoIterator,
         I::Item: IntoConnectionInfo,
     {
-        #[cfg(feature = "redis-tls")]
-        ensure_crypto_provider();
-        let client = redis::cluster::ClusterClientBuilder::new(nodes)
-            .response_timeout(DEFAULT_RESPONSE_TIMEOUT)
-            .connection_timeout(DEFAULT_CONNECTION_TIMEOUT)
-            .build()
-            .map_err(unavailable)?;
-        let connection = client.get_async_connection().await.map_err(unavailable)?;
-        Ok(RedisStore::from_cluster_connection(connection))
+        RedisOptions::default().cluster(nodes).await
     }
 
-    /// Uses a connection manager configured by the caller.
+    /// Uses a connection manager configured by the caller. Nothing is checked: call
+    /// [`check`](RedisStore::check). A `READONLY` answer can't open a new connection
+    /// (the store does not know how the manager was made): the calls fail until the
+    /// manager reaches a master again.
     pub fn from_connection_manager(manager: ConnectionManager) -> RedisStore {
-        RedisStore::with_connection(Connection::Standalone(manager))
+        RedisStore::with_connection(Connection::Standalone(Standalone {
+            manager: Arc::new(RwLock::new(manager)),
+            reopen: None,
+        }))
     }
 
-    /// Uses a Cluster connection configured by the caller.
+    /// Uses a Cluster connection configured by the caller. Nothing is checked: call
+    /// [`check`](RedisStore::check).
     pub fn from_cluster_connection(connection: ClusterConnection) -> RedisStore {
         RedisStore::with_connection(Connection::Cluster(connection))
     }
@@ -327,6 +528,8 @@ impl RedisStore {
             connection,
             prefix: DEFAULT_PREFIX.into(),
             claim_by_script: Arc::new(AtomicBool::new(false)),
+            tolerance: check::Tolerance::default(),
+            refusal: Arc::default(),
         }
     }
 
@@ -340,11 +543,52 @@ impl RedisStore {
 
     /// The standalone connection, to send other commands over it (`None` for a
     /// Cluster store).
-    pub fn connection_manager(&self) -> Option<&ConnectionManager> {
+    pub fn connection_manager(&self) -> Option<ConnectionManager> {
         match &self.connection {
-            Connection::Standalone(manager) => Some(manager),
+            Connection::Standalone(standalone) => Some(standalone.manager()),
             Connection::Cluster(_) => None,
         }
+    }
+
+    /// Runs `cmd` (standalone, or routed by its key on a Cluster).
+    async fn query<T: redis::FromRedisValue>(&self, cmd: &Cmd) -> Result<T, RedisError> {
+        match &self.connection {
+            Connection::Standalone(c) => cmd.query_async(&mut c.manager()).await,
+            Connection::Cluster(c) => cmd.query_async(&mut c.clone()).await,
+        }
+    }
+
+    /// Runs `cmd` on the standalone server, or on the Cluster master serving `node`.
+    async fn query_on<T: redis::FromRedisValue>(
+        &self,
+        node: Option<u16>,
+        cmd: &Cmd,
+    ) -> Result<T, RedisError> {
+        match (&self.connection, node) {
+            (Connection::Cluster(c), Some(node)) => {
+                use redis::cluster_routing::{Route, RoutingInfo, SingleNodeRoutingInfo, SlotAddr};
+                let route = SingleNodeRoutingInfo::SpecificNode(Route::new(node, SlotAddr::Master));
+                let value =
+                    c.clone().route_command(cmd.clone(), RoutingInfo::SingleNode(route)).await?;
+                Ok(redis::from_redis_value(value)?)
+            }
+            _ => self.query(cmd).await,
+        }
+    }
+
+    /// A failed command's error as a store error, after what it calls for: a new
+    /// connection for `READONLY`, claims refused for a misconfiguration.
+    fn failed(&self, error: RedisError) -> StoreError {
+        if let (Some("READONLY"), Connection::Standalone(standalone)) =
+            (error.code(), &self.connection)
+        {
+            standalone.reopen();
+        }
+        let error = unavailable(error);
+        if let StoreError::Misconfigured(reason) = &error {
+            self.refusal.begin(reason);
+        }
+        error
     }
 
     /// Puts records under `prefix` instead of [`DEFAULT_PREFIX`].
@@ -397,14 +641,15 @@ impl RedisStore {
             invocation.arg(*arg);
         }
         let reply = match &self.connection {
-            Connection::Standalone(c) => invocation.invoke_async(&mut c.clone()).await,
+            Connection::Standalone(c) => invocation.invoke_async(&mut c.manager()).await,
             Connection::Cluster(c) => invocation.invoke_async(&mut c.clone()).await,
         };
-        reply.map_err(unavailable)
+        reply.map_err(|error| self.failed(error))
     }
 
     /// A claim: `SET NX GET`, and the claim script for what that can't settle.
     async fn claim_with(&self, key: &Key, claim: &Claiming) -> Result<Claim, StoreError> {
+        self.claims_allowed().await?;
         if !self.claim_by_script.load(Ordering::Relaxed) {
             let mut set = redis::cmd("SET");
             set.arg(self.redis_key(key))
@@ -413,10 +658,7 @@ impl RedisStore {
                 .arg("PX")
                 .arg(claim.retention)
                 .arg("GET");
-            let reply: Result<Option<Vec<u8>>, RedisError> = match &self.connection {
-                Connection::Standalone(c) => set.query_async(&mut c.clone()).await,
-                Connection::Cluster(c) => set.query_async(&mut c.clone()).await,
-            };
+            let reply: Result<Option<Vec<u8>>, RedisError> = self.query(&set).await;
             match reply {
                 Ok(None) => return Ok(Claim::Won { token: claim.token, attempt: 1 }),
                 Ok(Some(record)) => {
@@ -428,7 +670,7 @@ impl RedisStore {
                     tracing::info!(%error, "Redis before 7.0: claims go through the claim script");
                     self.claim_by_script.store(true, Ordering::Relaxed);
                 }
-                Err(error) => return Err(unavailable(error)),
+                Err(error) => return Err(self.failed(error)),
             }
         }
         let (lease, retention) = (claim.lease.to_string(), claim.retention.to_string());
@@ -504,10 +746,21 @@ fn ensure_crypto_provider() {
 /// (`WRONGTYPE`: another program's key) or a record the scripts can't read (written by
 /// another program) fails the same way every time: [`StoreError::Rejected`], so the
 /// message is dead-lettered instead of retried for ever. A record of a later format is
-/// [`StoreError::NewerFormat`], retried. Anything else (the
-/// connection, a timeout, a busy or loading server) is [`StoreError::Unavailable`].
+/// [`StoreError::NewerFormat`], retried. A refusal that is the server's setup, not the
+/// message's (`NOPERM`: the user's ACL; a command unknown, disabled or renamed) is
+/// [`StoreError::Misconfigured`], retried. Anything else (the connection, a timeout, a
+/// busy or loading server, `READONLY` from a demoted master, `OOM` under `noeviction`)
+/// is [`StoreError::Unavailable`].
 fn unavailable(error: RedisError) -> StoreError {
+    let detail = || error.detail().unwrap_or_default().to_owned();
     match error.code() {
+        Some("NOPERM") => StoreError::Misconfigured(format!(
+            "the Redis user lacks a permission the store needs (NOPERM {}): it runs INFO, SET, DEL, SCRIPT LOAD and EVALSHA on keys under its prefix",
+            detail()
+        )),
+        Some("ERR") if detail().starts_with("unknown command") => StoreError::Misconfigured(
+            format!("the Redis server does not know a command the store needs ({})", detail()),
+        ),
         Some("WRONGTYPE" | "IDEMPOTENT_UNREADABLE") => StoreError::Rejected(Box::new(error)),
         // A record of a later format (`format`): its head follows the code.
         Some("IDEMPOTENT_NEWER") => StoreError::NewerFormat(
@@ -620,7 +873,8 @@ impl Store for RedisStore {
             // The claim may have been written and its reply lost: give such a claim
             // back, and its attempt with it, since no handler ran under it. (A no-op
             // when it was not written: the release is fenced by the token.)
-            if !error.is_permanent() {
+            // (A refusal, or a misconfiguration, wrote nothing.)
+            if matches!(error, StoreError::Unavailable(_)) {
                 self.give_back_in_background(key, token);
             }
         }
@@ -873,15 +1127,7 @@ impl RedisStore {
     ) -> Result<(u64, Vec<Vec<u8>>), StoreError> {
         let mut scan = redis::cmd("SCAN");
         scan.arg(cursor).arg("MATCH").arg(pattern).arg("COUNT").arg(count);
-        let reply: redis::Value = match &self.connection {
-            Connection::Standalone(c) => scan.query_async(&mut c.clone()).await,
-            Connection::Cluster(c) => {
-                use redis::cluster_routing::{Route, RoutingInfo, SingleNodeRoutingInfo, SlotAddr};
-                let route = SingleNodeRoutingInfo::SpecificNode(Route::new(node, SlotAddr::Master));
-                c.clone().route_command(scan, RoutingInfo::SingleNode(route)).await
-            }
-        }
-        .map_err(unavailable)?;
+        let reply: redis::Value = self.query_on(Some(node), &scan).await.map_err(unavailable)?;
         let (next, keys): (String, Vec<Vec<u8>>) =
             redis::from_redis_value(reply).map_err(|e| StoreError::Protocol(e.to_string()))?;
         let next =
