@@ -987,49 +987,15 @@ pub fn block_on<F: Future>(case: F) -> F::Output {
         .block_on(case)
 }
 
-/// The names of the cases `store_suite!` generates.
-pub const CASES: &[&str] = &[
-    "first_delivery_success",
-    "duplicate_within_ttl",
-    "in_progress_elsewhere",
-    "retryable_error_releases",
-    "retryable_error_on_last_attempt",
-    "terminal_error_fails",
-    "already_applied_is_done",
-    "panic_releases",
-    "dropped_future_releases",
-    "dead_consumer_claim_expires",
-    "unfinished_attempts_are_capped",
-    "store_unreachable_at_claim",
-    "store_fails_after_handler",
-    "ttl_expiry_forgets",
-    "expired_lease_is_fenced",
-    "late_completion_gets_lease_lost",
-    "lost_lease_stops_the_body",
-    "unpolled_call_is_stopped_when_resumed",
-    "unpolled_again_after_failed_renewals_is_stopped",
-    "lost_lease_failure_is_not_terminal",
-    "renewal_keeps_slow_handler",
-    "renewal_extends_retention",
-    "panic_on_last_attempt_fails",
-    "a_failed_completion_is_retried",
-    "huge_durations_are_held",
-    "concurrent_same_key_runs_once",
-    "payload_mismatch_is_refused",
-    "cached_result_is_replayed",
-    "hostile_ids_keep_their_own_records",
-    "cached_result_of_another_shape_is_a_cache_error",
-    "many_keys_each_once",
-];
-
-/// Generates one `#[test]` per case of the behaviour suite for the store that
-/// `$make` (an expression, which may `.await`) builds. Every test builds its own
-/// store with `$make`.
+/// The cases of the behaviour suite, in one list for everything that names them
+/// ([`store_suite!`], [`CASES`], [`every_case`]): calls `$callback!` with `$pre`
+/// followed by `[cases on a store] [cases on an Arc of it]`.
+#[doc(hidden)]
 #[macro_export]
-macro_rules! store_suite {
-    ($make:expr) => {
-        $crate::store_suite!(@cases $make;
-            first_delivery_success, duplicate_within_ttl, in_progress_elsewhere,
+macro_rules! __store_suite_cases {
+    ($callback:path; $($pre:tt)*) => {
+        $callback!($($pre)*
+            [first_delivery_success, duplicate_within_ttl, in_progress_elsewhere,
             retryable_error_releases, retryable_error_on_last_attempt, terminal_error_fails,
             already_applied_is_done, panic_releases, dropped_future_releases, dead_consumer_claim_expires,
             unfinished_attempts_are_capped, store_unreachable_at_claim,
@@ -1040,8 +1006,39 @@ macro_rules! store_suite {
             renewal_extends_retention, huge_durations_are_held, panic_on_last_attempt_fails,
             a_failed_completion_is_retried,
             payload_mismatch_is_refused, cached_result_is_replayed,
-            hostile_ids_keep_their_own_records, cached_result_of_another_shape_is_a_cache_error);
-        $crate::store_suite!(@shared $make; concurrent_same_key_runs_once, many_keys_each_once);
+            hostile_ids_keep_their_own_records, cached_result_of_another_shape_is_a_cache_error]
+            [concurrent_same_key_runs_once, many_keys_each_once]);
+    };
+}
+
+macro_rules! suite_items {
+    ([$($case:ident),*] [$($shared:ident),*]) => {
+        /// The names of the cases `store_suite!` generates.
+        pub const CASES: &[&str] = &[$(stringify!($case),)* $(stringify!($shared),)*];
+
+        /// Runs every case of [`store_suite!`] one after the other on `store`: for a
+        /// store whose server is costly to start (a Redis Cluster of the test's own).
+        pub async fn every_case<S: Store + 'static>(store: S) {
+            $($case(&store).await;)*
+            let store = Arc::new(store);
+            $($shared(store.clone()).await;)*
+        }
+    };
+}
+
+crate::__store_suite_cases!(suite_items;);
+
+/// Generates one `#[test]` per case of the behaviour suite for the store that
+/// `$make` (an expression, which may `.await`) builds. Every test builds its own
+/// store with `$make`.
+#[macro_export]
+macro_rules! store_suite {
+    ($make:expr) => {
+        $crate::__store_suite_cases!($crate::store_suite; @generate $make;);
+    };
+    (@generate $make:expr; [$($case:ident),*] [$($shared:ident),*]) => {
+        $crate::store_suite!(@cases $make; $($case),*);
+        $crate::store_suite!(@shared $make; $($shared),*);
     };
     (@cases $make:expr; $($case:ident),*) => {$(
         #[test]

@@ -29,7 +29,7 @@ mod claims_by_script {
     });
 }
 
-/// The same suite, unchanged, through a Redis Cluster.
+/// The same suite, every case of it, through a Redis Cluster.
 #[test]
 fn cluster_passes_the_store_suite() {
     if !support::have_redis_server() {
@@ -38,29 +38,7 @@ fn cluster_passes_the_store_suite() {
     let cluster = RedisCluster::start();
     block_on(async {
         let store = RedisStore::cluster(cluster.urls()).await.expect("cluster reachable");
-        testing::first_delivery_success(&store).await;
-        testing::duplicate_within_ttl(&store).await;
-        testing::in_progress_elsewhere(&store).await;
-        testing::retryable_error_releases(&store).await;
-        testing::retryable_error_on_last_attempt(&store).await;
-        testing::terminal_error_fails(&store).await;
-        testing::panic_releases(&store).await;
-        testing::dropped_future_releases(&store).await;
-        testing::dead_consumer_claim_expires(&store).await;
-        testing::unfinished_attempts_are_capped(&store).await;
-        testing::store_unreachable_at_claim(&store).await;
-        testing::store_fails_after_handler(&store).await;
-        testing::ttl_expiry_forgets(&store).await;
-        testing::expired_lease_is_fenced(&store).await;
-        testing::late_completion_gets_lease_lost(&store).await;
-        testing::renewal_keeps_slow_handler(&store).await;
-        testing::renewal_extends_retention(&store).await;
-        testing::huge_durations_are_held(&store).await;
-        testing::panic_on_last_attempt_fails(&store).await;
-        testing::a_failed_completion_is_retried(&store).await;
-        let store = Arc::new(store);
-        testing::concurrent_same_key_runs_once(store.clone()).await;
-        testing::many_keys_each_once(store).await;
+        testing::every_case(store).await;
     });
 }
 
