@@ -283,3 +283,47 @@ fn a_switchover_behind_one_address_reaches_the_new_master() {
         assert!(new.cli(&["KEYS", "*order:20"]).contains("order:20"), "on the new master");
     });
 }
+
+/// A server SIGKILLed and restarted mid-stream: without an append-only file (a
+/// warning at connect) every record is gone and every duplicate runs again; with
+/// `appendfsync always` (no warning) none does.
+#[test]
+fn a_restart_loses_the_records_no_append_only_file_kept() {
+    if !support::have_redis_server() {
+        return;
+    }
+    for (mut server, persistent) in
+        [(RedisServer::start(), false), (RedisServer::start_persistent(), true)]
+    {
+        block_on(async {
+            let store = RedisStore::connect(server.url().as_str()).await.expect("connects");
+            let warnings = store.check().await.expect("passes");
+            assert_eq!(
+                warnings.iter().any(|w| w.contains("append-only")),
+                !persistent,
+                "{warnings:?}"
+            );
+            let (runs, orders) = (AtomicU32::new(0), 200);
+            for order_id in 0..orders {
+                let processed = counted(Order { order_id }, &store, &runs).await.unwrap();
+                assert_eq!(processed, Outcome::Processed(()));
+            }
+            server.kill();
+            server.restart();
+            let before = runs.load(Ordering::SeqCst);
+            for order_id in 0..orders {
+                // The first calls may meet the connection the kill cut.
+                let deadline = Instant::now() + Duration::from_secs(10);
+                while counted(Order { order_id }, &store, &runs).await.is_err() {
+                    assert!(Instant::now() < deadline, "Redis never came back");
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                }
+            }
+            let again = runs.load(Ordering::SeqCst) - before;
+            println!(
+                "appendonly {persistent}: {again} of {orders} duplicates ran again after a restart"
+            );
+            assert_eq!(again, if persistent { 0 } else { orders as u32 });
+        });
+    }
+}
