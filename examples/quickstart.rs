@@ -63,10 +63,13 @@ async fn store() -> Box<dyn Store> {
         Ok(url) => {
             // A prefix of this run's own: earlier runs' records are still within their ttl.
             let prefix = format!("quickstart-{}", idempotent::Token::random());
-            let redis =
-                idempotent::RedisStore::connect(url.as_str()).await.expect("Redis at REDIS_URL");
+            let redis = idempotent::RedisStore::options()
+                .prefix(prefix.as_str())
+                .connect(url.as_str())
+                .await
+                .expect("Redis at REDIS_URL");
             println!("store: Redis at {url}, keys under {prefix}:");
-            Box::new(redis.with_prefix(prefix))
+            Box::new(redis)
         }
         #[cfg(not(feature = "redis"))]
         Ok(_) => panic!("REDIS_URL is set: run with `--features redis` to use Redis"),

@@ -26,19 +26,9 @@ pub async fn connect(url: &str, at: Option<&str>) -> Result<Box<dyn Admin>, Fail
     };
     let connecting = async {
         let store: Box<dyn Admin> = match scheme {
-            "redis" | "rediss" => {
-                let store = RedisStore::connect(url.as_str()).await?;
-                Box::new(match &at {
-                    Some(prefix) => store.with_prefix(prefix.as_str()),
-                    None => store,
-                })
-            }
+            "redis" | "rediss" => Box::new(redis_options(&at).connect(url.as_str()).await?),
             "redis+cluster" | "rediss+cluster" => {
-                let store = RedisStore::cluster(cluster_nodes(scheme, rest)).await?;
-                Box::new(match &at {
-                    Some(prefix) => store.with_prefix(prefix.as_str()),
-                    None => store,
-                })
+                Box::new(redis_options(&at).cluster(cluster_nodes(scheme, rest)).await?)
             }
             "postgres" | "postgresql" => {
                 let store = PostgresStore::connect(&url).await?;
@@ -242,5 +232,17 @@ mod tests {
             ("mysql://app:hun?ter2@db/app".into(), Some("orders".into()))
         );
         assert_eq!(split_at_param("mysql://app:hun?ter2@db/app").1, None);
+    }
+}
+
+/// How the command connects to Redis: records under `at` (the default prefix
+/// otherwise), and a server that may evict records accepted (with the store's
+/// warning): an operator inspecting or releasing records needs to reach the server
+/// as it is, and the store's refusal exists for consumers.
+fn redis_options(at: &Option<String>) -> idempotent_runtime::redis_store::RedisOptions {
+    let options = RedisStore::options().allow_eviction();
+    match at {
+        Some(prefix) => options.prefix(prefix.as_str()),
+        None => options,
     }
 }

@@ -404,8 +404,9 @@ pub enum StoreError {
     /// would lose records (a message would run again) or refuse them (a message would
     /// be retried for ever). Found when the store connects, or at run time when the
     /// server turns so (a user's permission revoked, a command renamed): the call's
-    /// disposition is retry, never dead-letter, and the store refuses claims until
-    /// the server is fixed. The text names the setting and what to do.
+    /// disposition is retry, never dead-letter (a broker's own redelivery limit still
+    /// applies), and a `RedisStore` refuses every claim until its server passes its
+    /// check again. The text names the setting and what to do.
     #[error("the store's server is misconfigured: {0}")]
     Misconfigured(String),
     /// A bounded store holds as many records as it may, none of them expired: the

@@ -29,7 +29,8 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let url = std::env::var("REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".into());
     let plain = std::env::args().any(|a| a == "--plain");
     let run = idempotent::Token::random().to_string();
-    let store = RedisStore::connect(url.as_str()).await?.with_prefix(format!("example-{run}"));
+    let store =
+        RedisStore::options().prefix(format!("example-{run}")).connect(url.as_str()).await?;
     let mut conn = store.connection_manager().expect("standalone Redis").clone();
     let stream = format!("example-{run}:orders");
 

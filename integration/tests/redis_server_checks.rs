@@ -138,18 +138,38 @@ fn acl_users_without_what_the_store_needs_are_refused_at_connect() {
     };
     let no_scripts = user("no-scripts", &["~*", "+@all", "-@scripting"]);
     let no_info = user("no-info", &["~*", "+@all", "-info"]);
+    let no_reads = user("no-reads", &["~*", "+@all", "-@read"]);
     let other_keys = user("other-keys", &["~app:*", "+@all"]);
     block_on(async {
         let reason = misconfigured(RedisStore::connect(no_scripts.as_str()).await);
         assert!(reason.contains("+@scripting") && reason.contains("NOPERM"), "{reason}");
         let reason = misconfigured(RedisStore::connect(no_info.as_str()).await);
         assert!(reason.contains("+info"), "{reason}");
-        let reason = misconfigured(RedisStore::connect(other_keys.as_str()).await);
-        assert!(reason.contains("~idempotent:*"), "{reason}");
+        // Claims need no read (`SET NX GET` answers the record), DONE does: a user
+        // without reads would run every handler and record nothing.
+        let reason = misconfigured(RedisStore::connect(no_reads.as_str()).await);
+        assert!(reason.contains("+@read"), "{reason}");
+        // Keys outside the user's patterns: a warning at connect, and each claim of
+        // such a key refused (retried) before its handler runs.
+        let store = RedisStore::connect(other_keys.as_str()).await.expect("a warning only");
+        let warnings = store.check().await.unwrap();
+        assert!(warnings.iter().any(|w| w.contains("~idempotent:*")), "{warnings:?}");
+        let runs = AtomicU32::new(0);
+        let refused = counted(Order { order_id: 1 }, &store, &runs).await.unwrap_err();
+        assert!(
+            matches!(
+                &refused,
+                Error::Store { error: StoreError::Misconfigured(_), handler_ran: false, .. }
+            ),
+            "{refused:?}"
+        );
+        assert_eq!(refused.disposition(), Disposition::Retry);
+        assert_eq!(runs.load(Ordering::SeqCst), 0);
         // The same user with the store's prefix inside its key pattern works.
         let store = RedisStore::options().prefix("app").connect(other_keys.as_str()).await;
         let store = store.expect("a prefix the user may write");
-        let runs = AtomicU32::new(0);
+        let warnings = store.check().await.unwrap();
+        assert!(!warnings.iter().any(|w| w.contains("may not write")), "{warnings:?}");
         assert_eq!(
             counted(Order { order_id: 1 }, &store, &runs).await.unwrap(),
             Outcome::Processed(())

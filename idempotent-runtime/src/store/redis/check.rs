@@ -21,10 +21,17 @@ pub const MIN_VERSION: (u32, u32) = (6, 0);
 /// before it runs [`RedisStore::check`] again.
 pub const RECHECK_INTERVAL: Duration = Duration::from_secs(5);
 
-/// Writes and deletes a key under the store's prefix: the user may run scripts there
-/// and write such keys.
+/// Runs every command the store's scripts run, on a key under the store's prefix:
+/// the user may run them there, and the server knows them.
 const PROBE_SCRIPT: &str = r"
 redis.call('SET', KEYS[1], '1', 'PX', 1000)
+redis.call('GET', KEYS[1])
+redis.call('PTTL', KEYS[1])
+redis.call('TYPE', KEYS[1])
+redis.call('GETRANGE', KEYS[1], 0, 0)
+redis.call('STRLEN', KEYS[1])
+redis.call('TIME')
+redis.call('SET', KEYS[1], '2', 'KEEPTTL')
 redis.call('DEL', KEYS[1])
 return 1
 ";
@@ -96,14 +103,22 @@ fn judge(info: &Info, tolerance: &Tolerance) -> Result<Vec<String>, String> {
     }
     match info.get("role") {
         Some("master") => {}
-        role => {
+        Some(role) => {
             return Err(format!(
-                "it is a replica (role {}): records written there are refused or lost. Connect to the master",
-                role.unwrap_or("unknown")
+                "it is a replica (role {role}): records written there are refused or lost. Connect to the master"
             ));
         }
+        None => warnings.push(
+            "its INFO does not say whether it is a master or a replica: a replica would refuse or lose records".to_owned(),
+        ),
     }
-    let policy = info.get("maxmemory_policy").unwrap_or("noeviction");
+    let policy = info.get("maxmemory_policy");
+    if policy.is_none() {
+        warnings.push(
+            "its INFO does not show maxmemory_policy: if it evicts keys, duplicates whose records were evicted run again".to_owned(),
+        );
+    }
+    let policy = policy.unwrap_or("noeviction");
     if policy != "noeviction" {
         let cost = format!(
             "its maxmemory-policy is {policy}: under memory pressure Redis evicts records, and a duplicate whose DONE record was evicted runs its handler again (an in-progress record evicted mid-handler also resets its attempt count)"
@@ -152,7 +167,8 @@ impl RedisStore {
     /// [`StoreError::Unavailable`] when the server could not be asked.
     pub async fn check(&self) -> Result<Vec<String>, StoreError> {
         let mut warnings = Vec::new();
-        let probe = Script::new("return 1");
+        let probe = Script::new(PROBE_SCRIPT);
+        let mut unprobed = false;
         for node in self.server_nodes().await? {
             let place = match node {
                 Some(slot) => format!("the Cluster master serving slot {slot}"),
@@ -166,33 +182,69 @@ impl RedisStore {
                 .map_err(|reason| StoreError::Misconfigured(format!("{place}: {reason}")))?;
             warnings.extend(found.into_iter().map(|warning| format!("{place}: {warning}")));
             let mut load = redis::cmd("SCRIPT");
-            load.arg("LOAD").arg("return 1");
+            load.arg("LOAD").arg(PROBE_SCRIPT);
             let _: String = self
                 .query_on(node, &load)
                 .await
                 .map_err(|e| refused("SCRIPT LOAD (grant the user +@scripting)", e))?;
-            let mut run = redis::cmd("EVALSHA");
-            run.arg(probe.get_hash()).arg(0);
-            let _: i64 = self
-                .query_on(node, &run)
-                .await
-                .map_err(|e| refused("EVALSHA (grant the user +@scripting)", e))?;
+            match self.probe_key(node) {
+                Some(key) => {
+                    let mut run = redis::cmd("EVALSHA");
+                    run.arg(probe.get_hash()).arg(1).arg(&key);
+                    let ran = self.query_on::<i64>(node, &run).await;
+                    self.probed(ran, &key, &mut warnings)?;
+                }
+                None => unprobed = true,
+            }
         }
-        let key = format!("{}:check:{}", self.prefix, Token::random());
-        let _: i64 = self
-            .invoke_at(&Script::new(PROBE_SCRIPT), key.as_bytes(), &[])
-            .await
-            .map_err(|error| match error {
-                StoreError::Misconfigured(reason) => StoreError::Misconfigured(format!(
-                    "writing a key under the store's prefix `{}:` was refused: {reason}. Grant the user that key pattern (~{}:*)",
-                    self.prefix, self.prefix
-                )),
-                other => other,
-            })?;
+        if unprobed {
+            // The prefix's hash tag pins every record to one slot: the probe goes where
+            // the records do.
+            let key = format!("{}:check:{}", self.prefix, Token::random());
+            let mut run = redis::cmd("EVALSHA");
+            run.arg(probe.get_hash()).arg(1).arg(&key);
+            let ran = self.query::<i64>(&run).await;
+            self.probed(ran, &key, &mut warnings)?;
+        }
         for warning in &warnings {
             tracing::warn!(warning, "the Redis server weakens the store's promise");
         }
         Ok(warnings)
+    }
+
+    /// A key under the store's prefix for the probe on `node`: in the slot `node`
+    /// names on a Cluster (a master's lowest). `None` when no key can be put there:
+    /// the prefix holds a hash tag, which pins every key under it to one slot.
+    fn probe_key(&self, node: Option<u16>) -> Option<String> {
+        use redis::cluster_routing::{Route, Slot, SlotAddr};
+        let base = format!("{}:check:{}", self.prefix, Token::random());
+        let Some(node) = node else { return Some(base) };
+        let route = |key: &str| Route::with_slot(Slot::for_key(key), SlotAddr::Master);
+        if route(&format!("{base}:{{0}}")) == route(&format!("{base}:{{1}}")) {
+            return None;
+        }
+        let want = Route::new(node, SlotAddr::Master);
+        (0..u32::MAX).map(|tag| format!("{base}:{{{tag}}}")).find(|key| route(key) == want)
+    }
+
+    /// Judges the probe's answer: a command refused or unknown is a misconfiguration;
+    /// a key outside the user's patterns is a warning, since every call on such a key
+    /// is refused before any handler runs (and retried).
+    fn probed(
+        &self,
+        ran: Result<i64, RedisError>,
+        key: &str,
+        warnings: &mut Vec<String>,
+    ) -> Result<(), StoreError> {
+        let Err(error) = ran else { return Ok(()) };
+        if super::denied(&error) == Some(super::Denied::Key) {
+            warnings.push(format!(
+                "the user may not write `{key}`: records under `{}:` outside its key patterns are refused, and their messages retried until it may (grant ~{}:*)",
+                self.prefix, self.prefix
+            ));
+            return Ok(());
+        }
+        Err(refused("the commands the store's scripts run", error))
     }
 
     /// The servers [`check`](RedisStore::check) asks: `[None]` for standalone Redis,

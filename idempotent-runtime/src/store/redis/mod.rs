@@ -260,6 +260,9 @@ struct Reopen {
     config: ConnectionManagerConfig,
     /// When a new connection was last asked for: at most one a second.
     last: Mutex<Option<Instant>>,
+    /// Which request for a new connection is the latest: only its connection is put
+    /// in place, so a slow one that ends late can't replace a newer one.
+    latest: std::sync::atomic::AtomicU64,
 }
 
 impl Standalone {
@@ -279,10 +282,12 @@ impl Standalone {
             *last = Some(Instant::now());
         }
         let manager = self.manager.clone();
+        let request = reopen.latest.fetch_add(1, Ordering::SeqCst) + 1;
         runtime.spawn(async move {
             match ConnectionManager::new_with_config(reopen.client.clone(), reopen.config.clone())
                 .await
             {
+                Ok(_) if reopen.latest.load(Ordering::SeqCst) != request => {}
                 Ok(fresh) => {
                     *manager.write().unwrap_or_else(|e| e.into_inner()) = fresh;
                     tracing::warn!(
@@ -396,7 +401,7 @@ impl RedisOptions {
         let manager = ConnectionManager::new_with_config(client.clone(), config.clone())
             .await
             .map_err(unavailable)?;
-        let reopen = Reopen { client, config, last: Mutex::new(None) };
+        let reopen = Reopen { client, config, last: Mutex::new(None), latest: Default::default() };
         let connection = Connection::Standalone(Standalone {
             manager: Arc::new(RwLock::new(manager)),
             reopen: Some(Arc::new(reopen)),
@@ -578,20 +583,28 @@ impl RedisStore {
 
     /// A failed command's error as a store error, after what it calls for: a new
     /// connection for `READONLY`, claims refused for a misconfiguration.
+    ///
+    /// Only a command the user may not run, or the server does not know, stops the
+    /// claims: the next claim could win and run its handler without a way to record
+    /// DONE. A key outside the user's patterns fails that key's calls only (its claim
+    /// is refused too, so no handler runs).
     fn failed(&self, error: RedisError) -> StoreError {
-        if let (Some("READONLY"), Connection::Standalone(standalone)) =
-            (error.code(), &self.connection)
+        let denial = denied(&error);
+        if let (Some(Denied::ReadOnly), Connection::Standalone(standalone)) =
+            (denial, &self.connection)
         {
             standalone.reopen();
         }
         let error = unavailable(error);
-        if let StoreError::Misconfigured(reason) = &error {
+        if let (Some(Denied::Command), StoreError::Misconfigured(reason)) = (denial, &error) {
             self.refusal.begin(reason);
         }
         error
     }
 
-    /// Puts records under `prefix` instead of [`DEFAULT_PREFIX`].
+    /// Puts records under `prefix` instead of [`DEFAULT_PREFIX`]. The check made at
+    /// connect probed the prefix it was given: prefer
+    /// [`RedisOptions::prefix`], or call [`check`](RedisStore::check) again.
     pub fn with_prefix(mut self, prefix: impl Into<String>) -> RedisStore {
         self.prefix = prefix.into().into();
         self
@@ -753,14 +766,24 @@ fn ensure_crypto_provider() {
 /// is [`StoreError::Unavailable`].
 fn unavailable(error: RedisError) -> StoreError {
     let detail = || error.detail().unwrap_or_default().to_owned();
+    match denied(&error) {
+        Some(Denied::Command) => {
+            return StoreError::Misconfigured(format!(
+                "the Redis user may not run a command the store needs, or the server does not know it ({} {}): grant the user +info, +@scripting, +@read and +@write (the scripts run GET, SET, DEL, PTTL, TIME, TYPE, GETRANGE and STRLEN)",
+                error.code().unwrap_or_default(),
+                detail()
+            ));
+        }
+        Some(Denied::Key) => {
+            return StoreError::Misconfigured(format!(
+                "the Redis user may not access a key under the store's prefix ({} {}): grant the user the prefix's key pattern",
+                error.code().unwrap_or_default(),
+                detail()
+            ));
+        }
+        Some(Denied::ReadOnly) | None => {}
+    }
     match error.code() {
-        Some("NOPERM") => StoreError::Misconfigured(format!(
-            "the Redis user lacks a permission the store needs (NOPERM {}): it runs INFO, SET, DEL, SCRIPT LOAD and EVALSHA on keys under its prefix",
-            detail()
-        )),
-        Some("ERR") if detail().starts_with("unknown command") => StoreError::Misconfigured(
-            format!("the Redis server does not know a command the store needs ({})", detail()),
-        ),
         Some("WRONGTYPE" | "IDEMPOTENT_UNREADABLE") => StoreError::Rejected(Box::new(error)),
         // A record of a later format (`format`): its head follows the code.
         Some("IDEMPOTENT_NEWER") => StoreError::NewerFormat(
@@ -768,6 +791,51 @@ fn unavailable(error: RedisError) -> StoreError {
                 .unwrap_or_else(|| "a record format of a later version".to_owned()),
         ),
         _ => StoreError::unavailable(error),
+    }
+}
+
+/// A refusal that is the server's setup, not the message's.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Denied {
+    /// A command the user may not run, or the server does not know (disabled or
+    /// renamed): every call needing it fails the same way.
+    Command,
+    /// A key outside the user's key patterns: calls on such keys fail, others may
+    /// not.
+    Key,
+    /// A write to a replica (a master demoted behind the same address).
+    ReadOnly,
+}
+
+/// Whether `error` is a refusal of the server's setup, wherever it says so: as the
+/// reply's code (`NOPERM`, `READONLY`), or inside a script's error, which Redis 7
+/// answers as `ERR The user executing the script can't run this command` (or `can't
+/// access at least one of the keys`) and `ERR Unknown Redis command called from
+/// script`, and Redis 6 as `ERR Error running script ... -NOPERM` or `-READONLY`.
+fn denied(error: &RedisError) -> Option<Denied> {
+    let detail = error.detail().unwrap_or_default();
+    let key = || detail.contains("access one of the keys") || detail.contains("access a key");
+    match error.code() {
+        Some("NOPERM") if key() => Some(Denied::Key),
+        Some("NOPERM") => Some(Denied::Command),
+        Some("READONLY") => Some(Denied::ReadOnly),
+        Some("ERR") => {
+            if detail.starts_with("unknown command")
+                || detail.contains("Unknown Redis command called from script")
+                || detail.contains("can't run this command")
+            {
+                Some(Denied::Command)
+            } else if detail.contains("can't access at least one of the keys") {
+                Some(Denied::Key)
+            } else if detail.contains("-READONLY") {
+                Some(Denied::ReadOnly)
+            } else if detail.contains("-NOPERM") {
+                Some(if key() { Denied::Key } else { Denied::Command })
+            } else {
+                None
+            }
+        }
+        _ => None,
     }
 }
 
@@ -874,7 +942,7 @@ impl Store for RedisStore {
             // back, and its attempt with it, since no handler ran under it. (A no-op
             // when it was not written: the release is fenced by the token.)
             // (A refusal, or a misconfiguration, wrote nothing.)
-            if matches!(error, StoreError::Unavailable(_)) {
+            if !error.is_permanent() && !matches!(error, StoreError::Misconfigured(_)) {
                 self.give_back_in_background(key, token);
             }
         }
@@ -1402,6 +1470,57 @@ mod tests {
         assert!(ListCursor::decode("1:2").is_err());
         assert!(ListCursor::decode("x:2:").is_err());
         assert_eq!(glob_escape(b"a*b?[c]\\"), b"a\\*b\\?\\[c\\]\\\\".to_vec());
+    }
+
+    /// The refusals Redis 7.0 and 6.2 give (copied from real servers), and what each is.
+    #[test]
+    fn refusals_of_the_servers_setup_are_told_apart() {
+        let error = |reply: &str| {
+            redis::parse_redis_value(format!("-{reply}\r\n").as_bytes())
+                .unwrap()
+                .extract_error()
+                .unwrap_err()
+        };
+        let cases = [
+            (
+                "NOPERM this user has no permissions to run the 'evalsha' command",
+                Some(Denied::Command),
+            ),
+            (
+                "NOPERM this user has no permissions to access one of the keys used as arguments",
+                Some(Denied::Key),
+            ),
+            (
+                "ERR The user executing the script can't run this command or subcommand script: d3c2, on @user_script:1.",
+                Some(Denied::Command),
+            ),
+            (
+                "ERR The user executing the script can't access at least one of the keys mentioned in the command arguments script: b811, on @user_script:1.",
+                Some(Denied::Key),
+            ),
+            (
+                "ERR Unknown Redis command called from script script: 7ae0, on @user_script:1.",
+                Some(Denied::Command),
+            ),
+            ("ERR unknown command 'EVALSHA', with args beginning with: ", Some(Denied::Command)),
+            ("READONLY You can't write against a read only replica.", Some(Denied::ReadOnly)),
+            (
+                "ERR Error running script (call to f_9a3c): @user_script:2: @user_script: 2: -READONLY You can't write against a read only replica.",
+                Some(Denied::ReadOnly),
+            ),
+            (
+                "ERR Error running script (call to f_9a3c): @user_script:2: @user_script: 2: -NOPERM this user has no permissions to run the 'get' command",
+                Some(Denied::Command),
+            ),
+            ("OOM command not allowed when used memory > 'maxmemory'.", None),
+            ("ERR syntax error", None),
+            ("BUSY Redis is busy running a script.", None),
+        ];
+        for (reply, want) in cases {
+            assert_eq!(denied(&error(reply)), want, "{reply}");
+        }
+        assert!(matches!(unavailable(error(cases[0].0)), StoreError::Misconfigured(_)));
+        assert!(matches!(unavailable(error(cases[6].0)), StoreError::Unavailable(_)));
     }
 
     #[test]
