@@ -157,6 +157,18 @@ pub fn redacted(url: &str) -> String {
     }
 }
 
+/// How the command connects to Redis: records under `at` (the default prefix
+/// otherwise), and a server that may evict records accepted (with the store's
+/// warning): an operator inspecting or releasing records needs to reach the server
+/// as it is, and the store's refusal exists for consumers.
+fn redis_options(at: &Option<String>) -> idempotent_runtime::redis_store::RedisOptions {
+    let options = RedisStore::options().allow_eviction();
+    match at {
+        Some(prefix) => options.prefix(prefix.as_str()),
+        None => options,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -232,17 +244,5 @@ mod tests {
             ("mysql://app:hun?ter2@db/app".into(), Some("orders".into()))
         );
         assert_eq!(split_at_param("mysql://app:hun?ter2@db/app").1, None);
-    }
-}
-
-/// How the command connects to Redis: records under `at` (the default prefix
-/// otherwise), and a server that may evict records accepted (with the store's
-/// warning): an operator inspecting or releasing records needs to reach the server
-/// as it is, and the store's refusal exists for consumers.
-fn redis_options(at: &Option<String>) -> idempotent_runtime::redis_store::RedisOptions {
-    let options = RedisStore::options().allow_eviction();
-    match at {
-        Some(prefix) => options.prefix(prefix.as_str()),
-        None => options,
     }
 }
