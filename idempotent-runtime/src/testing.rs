@@ -1016,7 +1016,7 @@ macro_rules! suite_items {
         /// The names of the cases `store_suite!` generates.
         pub const CASES: &[&str] = &[$(stringify!($case),)* $(stringify!($shared),)*];
 
-        /// Runs every case of [`store_suite!`] one after the other on `store`: for a
+        /// Runs every case of [`store_suite!`](crate::store_suite) one after the other on `store`: for a
         /// store whose server is costly to start (a Redis Cluster of the test's own).
         pub async fn every_case<S: Store + 'static>(store: S) {
             $($case(&store).await;)*
