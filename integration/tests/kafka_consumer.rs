@@ -799,3 +799,62 @@ fn retries_wait_by_the_backoff_without_holding_up_the_rest() {
 
 #[path = "support/backoff.rs"]
 mod backoff;
+
+/// A consumer created as librdkafka has it by default, committing by itself
+/// (`enable.auto.commit` left on), would commit records before their outcome is
+/// recorded: `run`, `next` and the exactly-once consumer refuse it before taking a
+/// record, and the group commits nothing (read from the broker).
+#[test]
+fn a_consumer_that_commits_by_itself_is_refused_before_taking_a_record() {
+    use idempotent::consume::kafka::{ExactlyOnceConsumer, KafkaContext};
+    use rdkafka::ClientConfig;
+    use rdkafka::consumer::StreamConsumer;
+    let Some(broker) = Broker::start() else { return };
+    block_on(async {
+        let topic = testing::fresh_key("kafka-auto").namespace().to_owned();
+        broker.create_topics(&[(&topic, 1), (&format!("{topic}.dead"), 1)]).await;
+        let producer: FutureProducer = broker.config().create().unwrap();
+        for i in 0..3 {
+            produce(&producer, &topic, 0, &i.to_string()).await;
+        }
+        let group = format!("{topic}-group");
+        let defaults = || {
+            let consumer: StreamConsumer<KafkaContext> = broker
+                .config()
+                .set("group.id", &group)
+                .set("auto.offset.reset", "earliest")
+                .create_with_context(KafkaContext::default())
+                .unwrap();
+            consumer.subscribe(&[&topic]).unwrap();
+            consumer
+        };
+        let handled = std::sync::atomic::AtomicU32::new(0);
+        let consumer = KafkaConsumer::new(defaults(), producer.clone(), format!("{topic}.dead"));
+        let refused = consumer
+            .run(|_| async {
+                handled.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                ok()
+            })
+            .await
+            .unwrap_err();
+        assert!(refused.to_string().contains("enable.auto.commit"), "{refused}");
+        let mut consumer = KafkaConsumer::new(defaults(), producer, format!("{topic}.dead"));
+        let refused = consumer.next(|_| async { ok() }).await.unwrap_err();
+        assert!(refused.to_string().contains("enable.auto.commit"), "{refused}");
+        let mut transactional = ClientConfig::new();
+        transactional
+            .set("bootstrap.servers", &broker.address)
+            .set("transactional.id", format!("{topic}-tx"));
+        let refused =
+            ExactlyOnceConsumer::new(defaults(), &transactional, format!("{topic}.dead")).err();
+        assert!(
+            refused.is_some_and(|e| e.to_string().contains("enable.auto.commit")),
+            "the exactly-once consumer took it"
+        );
+        assert_eq!(handled.load(std::sync::atomic::Ordering::SeqCst), 0);
+        // From the broker's side, after longer than librdkafka's auto-commit interval.
+        tokio::time::sleep(Duration::from_secs(6)).await;
+        let (committed, _) = kafka::committed_and_end(&broker.address, &group, &topic, 1);
+        assert!(committed.iter().all(|&c| c <= 0), "committed {committed:?}");
+    });
+}

@@ -299,6 +299,7 @@ impl ExactlyOnceConsumer {
                     .into(),
             ));
         }
+        super::refuse_auto_commit(&consumer)?;
         if producer.get("transactional.id").is_none_or(str::is_empty) {
             return Err(KafkaError::ClientCreation(
                 "exactly-once produces in transactions: set the producer's transactional.id \

@@ -81,7 +81,8 @@ impl Payload for KafkaMessage {
 
 /// A consumer-group member that commits offsets only after the outcome is recorded.
 ///
-/// The consumer must be created with `enable.auto.commit=false` and with a
+/// The consumer must be created with `enable.auto.commit=false` (`run` and `next`
+/// refuse one that commits by itself, librdkafka's default) and with a
 /// [`KafkaContext`] (`create_with_context(KafkaContext::default())`), which tells it
 /// about rebalances. [`run`](KafkaConsumer::run) handles up to
 /// [`concurrency`](KafkaConsumer::concurrency) records at once (default 32), across
@@ -556,6 +557,7 @@ impl KafkaConsumer {
         Fut: Future<Output = R>,
         R: DispositionExt,
     {
+        refuse_auto_commit(&self.consumer)?;
         let _flush_at_exit = FlushOnDrop(self);
         let meter = self.meter();
         let deliveries = futures_util::stream::unfold((), move |()| async move {
@@ -618,6 +620,7 @@ impl KafkaConsumer {
         Fut: Future<Output = R>,
         R: DispositionExt,
     {
+        refuse_auto_commit(&self.consumer)?;
         let Some(held) = self.receive().await? else { return Ok(None) };
         let meter = self.meter();
         meter.taken(1);
@@ -845,6 +848,40 @@ fn lane(message: &KafkaMessage, epoch: u64) -> u64 {
     let mut hasher = std::hash::DefaultHasher::new();
     (&message.topic, message.partition, &message.key, epoch).hash(&mut hasher);
     hasher.finish()
+}
+
+/// What a created client was configured with for `name` (librdkafka's default when
+/// the settings did not say); `None` for a setting librdkafka does not know.
+fn configured<C: ClientContext>(client: &rdkafka::client::Client<C>, name: &str) -> Option<String> {
+    use rdkafka::bindings as rd;
+    let name = std::ffi::CString::new(name).ok()?;
+    let mut value = [0u8; 64];
+    let mut size = value.len();
+    // SAFETY: `rd_kafka_conf` answers the live client's own configuration, which
+    // lives as long as `client`; `rd_kafka_conf_get` writes at most `size` bytes,
+    // NUL-terminated, into `value` and the length needed into `size`.
+    let answer = unsafe {
+        let conf = rd::rd_kafka_conf(client.native_ptr());
+        rd::rd_kafka_conf_get(conf, name.as_ptr(), value.as_mut_ptr().cast(), &mut size)
+    };
+    if answer != rd::rd_kafka_conf_res_t::RD_KAFKA_CONF_OK {
+        return None;
+    }
+    std::ffi::CStr::from_bytes_until_nul(&value).ok()?.to_str().ok().map(str::to_owned)
+}
+
+/// Refuses a consumer created with `enable.auto.commit` on, librdkafka's default: it
+/// commits the offsets of records as they are polled, past records still being
+/// handled or left for a retry, which a crash or a rebalance then loses for good.
+pub(super) fn refuse_auto_commit(
+    consumer: &StreamConsumer<KafkaContext>,
+) -> Result<(), KafkaError> {
+    match configured(consumer.client(), "enable.auto.commit").as_deref() {
+        Some("false") => Ok(()),
+        _ => Err(KafkaError::ClientCreation(
+            "the consumer commits by itself (enable.auto.commit is true, librdkafka's default): it would commit records before their outcome is recorded, and a crash or a rebalance would lose them. Create it with .set(\"enable.auto.commit\", \"false\")".into(),
+        )),
+    }
 }
 
 /// The record's headers, with keys read as UTF-8 lossily. rdkafka's own header
