@@ -12,9 +12,11 @@ pub struct Current {
     /// The message's idempotency key.
     pub key: Key,
     /// Which attempt this is, from 1. It grows by one with every claim of the key
-    /// while its record lasts, so it works as a fencing number: a downstream system
-    /// that remembers the highest attempt it saw for a key can refuse a write from a
-    /// lower one (a consumer whose lease ran out and whose key another consumer took).
+    /// while its record lasts, and restarts at 1 when the record goes (it expires, is
+    /// released by force, or is evicted from a Redis that evicts), while a stalled
+    /// handler may still hold a higher one: it is no fencing number. To refuse a late
+    /// write downstream, record the claim's `token` with the write, or guard the
+    /// business data itself.
     pub attempt: u32,
     /// The claim's token: the store accepts renewals and the result only with it, and
     /// a downstream system that reads the record can compare it to tell this claim

@@ -347,3 +347,117 @@ fn a_restart_loses_the_records_no_append_only_file_kept() {
         });
     }
 }
+
+/// Starts a master and a replica of it that replicates through `link` (a proxy the
+/// test can make swallow the replication stream), and waits until it has synced.
+async fn master_and_replica() -> (RedisServer, RedisServer, LossyProxy) {
+    let master = RedisServer::start();
+    let link = LossyProxy::start(master.port).await;
+    let port = link.port.to_string();
+    let replica = RedisServer::start_with(&[
+        "--save",
+        "",
+        "--appendonly",
+        "no",
+        "--replicaof",
+        "127.0.0.1",
+        &port,
+    ]);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !replica.cli(&["INFO", "replication"]).contains("master_link_status:up") {
+        assert!(Instant::now() < deadline, "the replica never synced");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    (master, replica, link)
+}
+
+/// A failover to an asynchronous replica that had not received the last writes (its
+/// link stopped delivering): without waiting for replicas, the master acknowledged
+/// every DONE, died, and each duplicate of the orders handled meanwhile ran again on
+/// the promoted replica; with `wait_for_replicas`, a claim the replica did not confirm
+/// is refused before its handler runs (and retried once the link is back), and no
+/// duplicate runs again.
+#[test]
+fn waiting_for_a_replica_keeps_every_record_through_a_failover() {
+    if !support::have_redis_server() {
+        return;
+    }
+    for wait in [false, true] {
+        block_on(async {
+            let (mut master, replica, link) = master_and_replica().await;
+            let options = RedisStore::options();
+            let options = if wait {
+                options.wait_for_replicas(1, Duration::from_millis(300))
+            } else {
+                options
+            };
+            let store = options.connect(master.url().as_str()).await.expect("the master");
+            let (runs, orders) = (AtomicU32::new(0), 100);
+            for order_id in 0..orders / 2 {
+                let processed = counted(Order { order_id }, &store, &runs).await.unwrap();
+                assert_eq!(processed, Outcome::Processed(()));
+            }
+            // The replica has everything so far; then its link stops delivering.
+            caught_up(&master);
+            link.swallow();
+            let mut refused = 0;
+            for order_id in orders / 2..orders {
+                loop {
+                    match counted(Order { order_id }, &store, &runs).await {
+                        Ok(processed) => {
+                            assert_eq!(processed, Outcome::Processed(()));
+                            break;
+                        }
+                        Err(Error::Store { handler_ran: false, .. }) if wait => {
+                            refused += 1;
+                            // The link comes back; the replica resyncs.
+                            link.release();
+                        }
+                        Err(other) => panic!("order {order_id}: {other:?}"),
+                    }
+                }
+            }
+            assert_eq!(runs.load(Ordering::SeqCst), orders as u32, "each handler ran once");
+            if wait {
+                assert_eq!(refused, 1, "the claim the replica did not confirm");
+            }
+            // The master dies; the replica is promoted.
+            master.kill();
+            assert!(replica.cli(&["REPLICAOF", "NO", "ONE"]).contains("OK"));
+            let promoted = RedisStore::connect(replica.url().as_str()).await.expect("promoted");
+            let before = runs.load(Ordering::SeqCst);
+            for order_id in 0..orders {
+                let _ = counted(Order { order_id }, &promoted, &runs).await.unwrap();
+            }
+            let again = runs.load(Ordering::SeqCst) - before;
+            println!(
+                "wait_for_replicas {wait}: {again} of {orders} duplicates ran again after the failover"
+            );
+            if wait {
+                assert_eq!(again, 0);
+            } else {
+                assert_eq!(again, orders as u32 / 2, "the writes the replica never received");
+            }
+        });
+    }
+}
+
+/// Waits until `master`'s replica acknowledged every write so far.
+fn caught_up(master: &RedisServer) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let info = master.cli(&["INFO", "replication"]);
+        let field = |name: &str| {
+            info.split(['\n', ',', '\r'])
+                .find_map(|part| part.strip_prefix(name))
+                .map(str::to_owned)
+        };
+        if field("master_repl_offset:").is_some()
+            && field("master_repl_offset:") == field("offset=")
+        {
+            return;
+        }
+        assert!(Instant::now() < deadline, "the replica never caught up: {info}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}

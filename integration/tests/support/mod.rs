@@ -90,6 +90,13 @@ impl RedisServer {
         }
     }
 
+    /// Sends `signal` (`-STOP`, `-CONT`, ...) to the server's process.
+    pub fn signal(&self, signal: &str) {
+        let pid = self.child.as_ref().expect("the server runs").id().to_string();
+        let status = Command::new("kill").args([signal, &pid]).status().expect("kill runs");
+        assert!(status.success(), "kill {signal} {pid}");
+    }
+
     /// Starts the server again on the same port and directory.
     pub fn restart(&mut self) {
         assert!(self.child.is_none(), "kill the server before restarting it");
@@ -198,38 +205,45 @@ fn temp_dir(name: &str) -> PathBuf {
 
 /// A TCP proxy of the test's own in front of a server, which can lose the server's
 /// next reply (it swallows it and closes the client's connection, as a network that
-/// fails after the command ran would) and can be pointed at another server (as a
+/// fails after the command ran would), swallow everything the server sends until
+/// released (a link that stopped delivering), and be pointed at another server (as a
 /// virtual IP or a DNS name moved at a switchover is), which only new connections
 /// reach. Runs on the current Tokio runtime.
 pub struct LossyProxy {
     pub port: u16,
-    upstream: std::sync::Arc<std::sync::atomic::AtomicU16>,
-    lose_next: std::sync::Arc<std::sync::atomic::AtomicBool>,
-    lost: std::sync::Arc<std::sync::atomic::AtomicU32>,
+    state: std::sync::Arc<ProxyState>,
+}
+
+#[derive(Default)]
+struct ProxyState {
+    upstream: std::sync::atomic::AtomicU16,
+    lose_next: std::sync::atomic::AtomicBool,
+    swallowing: std::sync::atomic::AtomicBool,
+    lost: std::sync::atomic::AtomicU32,
+    /// Bumped to close every open connection.
+    generation: tokio::sync::watch::Sender<u64>,
 }
 
 impl LossyProxy {
     pub async fn start(upstream: u16) -> LossyProxy {
         use std::sync::Arc;
-        use std::sync::atomic::{AtomicBool, AtomicU16, AtomicU32, Ordering};
+        use std::sync::atomic::Ordering;
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
         let port = listener.local_addr().expect("local address").port();
-        let upstream = Arc::new(AtomicU16::new(upstream));
-        let lose_next = Arc::new(AtomicBool::new(false));
-        let lost = Arc::new(AtomicU32::new(0));
-        let (target, flag, count) = (upstream.clone(), lose_next.clone(), lost.clone());
+        let state = Arc::new(ProxyState::default());
+        state.upstream.store(upstream, Ordering::SeqCst);
+        let shared = state.clone();
         tokio::spawn(async move {
             while let Ok((client, _)) = listener.accept().await {
-                let upstream = target.load(Ordering::SeqCst);
-                tokio::spawn(pump(client, upstream, flag.clone(), count.clone()));
+                tokio::spawn(pump(client, shared.clone()));
             }
         });
-        LossyProxy { port, upstream, lose_next, lost }
+        LossyProxy { port, state }
     }
 
     /// New connections go to `upstream`; open ones stay where they are.
     pub fn retarget(&self, upstream: u16) {
-        self.upstream.store(upstream, std::sync::atomic::Ordering::SeqCst);
+        self.state.upstream.store(upstream, std::sync::atomic::Ordering::SeqCst);
     }
 
     pub fn url(&self) -> String {
@@ -238,23 +252,31 @@ impl LossyProxy {
 
     /// The next reply from the server is lost, and its connection closed.
     pub fn lose_next_reply(&self) {
-        self.lose_next.store(true, std::sync::atomic::Ordering::SeqCst);
+        self.state.lose_next.store(true, std::sync::atomic::Ordering::SeqCst);
+    }
+
+    /// From now on, what the server sends is dropped, the connections kept open.
+    pub fn swallow(&self) {
+        self.state.swallowing.store(true, std::sync::atomic::Ordering::SeqCst);
+    }
+
+    /// Stops swallowing, and closes the connections that lost bytes.
+    pub fn release(&self) {
+        self.state.swallowing.store(false, std::sync::atomic::Ordering::SeqCst);
+        self.state.generation.send_modify(|g| *g += 1);
     }
 
     /// How many replies were lost so far.
     pub fn lost(&self) -> u32 {
-        self.lost.load(std::sync::atomic::Ordering::SeqCst)
+        self.state.lost.load(std::sync::atomic::Ordering::SeqCst)
     }
 }
 
-async fn pump(
-    client: tokio::net::TcpStream,
-    upstream: u16,
-    lose_next: std::sync::Arc<std::sync::atomic::AtomicBool>,
-    lost: std::sync::Arc<std::sync::atomic::AtomicU32>,
-) {
+async fn pump(client: tokio::net::TcpStream, state: std::sync::Arc<ProxyState>) {
     use std::sync::atomic::Ordering;
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut closed = state.generation.subscribe();
+    let upstream = state.upstream.load(Ordering::SeqCst);
     let Ok(server) = tokio::net::TcpStream::connect(("127.0.0.1", upstream)).await else { return };
     let (mut client_read, mut client_write) = client.into_split();
     let (mut server_read, mut server_write) = server.into_split();
@@ -266,8 +288,11 @@ async fn pump(
             if n == 0 {
                 return Ok::<(), std::io::Error>(());
             }
-            if lose_next.swap(false, Ordering::SeqCst) {
-                lost.fetch_add(1, Ordering::SeqCst);
+            if state.swallowing.load(Ordering::SeqCst) {
+                continue;
+            }
+            if state.lose_next.swap(false, Ordering::SeqCst) {
+                state.lost.fetch_add(1, Ordering::SeqCst);
                 return Ok(());
             }
             client_write.write_all(&buf[..n]).await?;
@@ -276,5 +301,6 @@ async fn pump(
     tokio::select! {
         _ = up => {}
         _ = down => {}
+        _ = closed.changed() => {}
     }
 }

@@ -11,6 +11,7 @@ use std::time::{Duration, Instant};
 
 use redis::{RedisError, Script};
 
+use super::durability::Durability;
 use super::{Connection, RedisStore, unavailable};
 use crate::{StoreError, Token};
 
@@ -90,7 +91,11 @@ impl<'a> Info<'a> {
 
 /// Judges one server from its `INFO`: `Err` with what is wrong and what to do, or the
 /// warnings it gives.
-fn judge(info: &Info, tolerance: &Tolerance) -> Result<Vec<String>, String> {
+fn judge(
+    info: &Info,
+    tolerance: &Tolerance,
+    durability: Option<&Durability>,
+) -> Result<Vec<String>, String> {
     let mut warnings = Vec::new();
     let version = info.get("redis_version").ok_or("its INFO has no redis_version")?;
     let mut parts = version.split('.').map(|p| p.parse::<u32>().unwrap_or(0));
@@ -100,6 +105,21 @@ fn judge(info: &Info, tolerance: &Tolerance) -> Result<Vec<String>, String> {
             "it runs Redis {version}; the store needs {}.{} or newer",
             MIN_VERSION.0, MIN_VERSION.1
         ));
+    }
+    if let Some(durability) = durability {
+        super::durability::judge_server(
+            durability,
+            (major, minor),
+            info.get("aof_enabled") == Some("1"),
+        )?;
+        let replicas: u32 =
+            info.get("connected_slaves").and_then(|n| n.parse().ok()).unwrap_or_default();
+        if replicas < durability.replicas {
+            warnings.push(format!(
+                "it has {replicas} replicas connected and the store waits for {}: until they connect, every claim and DONE waits {:?} and fails (the message is retried)",
+                durability.replicas, durability.timeout
+            ));
+        }
     }
     match info.get("role") {
         Some("master") => {}
@@ -178,7 +198,7 @@ impl RedisStore {
                 .query_on(node, &redis::cmd("INFO"))
                 .await
                 .map_err(|e| refused("INFO (grant the user +info)", e))?;
-            let found = judge(&Info::parse(&info), &self.tolerance)
+            let found = judge(&Info::parse(&info), &self.tolerance, self.durability.as_ref())
                 .map_err(|reason| StoreError::Misconfigured(format!("{place}: {reason}")))?;
             warnings.extend(found.into_iter().map(|warning| format!("{place}: {warning}")));
             let mut load = redis::cmd("SCRIPT");
@@ -296,7 +316,7 @@ mod tests {
     const INFO: &str = "# Server\r\nredis_version:7.0.15\r\nredis_mode:standalone\r\n\r\n# Memory\r\nmaxmemory:0\r\nmaxmemory_policy:noeviction\r\n# Persistence\r\naof_enabled:1\r\n# Replication\r\nrole:master\r\nconnected_slaves:0\r\n";
 
     fn judged(info: &str, eviction: bool) -> Result<Vec<String>, String> {
-        judge(&Info::parse(info), &Tolerance { eviction })
+        judge(&Info::parse(info), &Tolerance { eviction }, None)
     }
 
     #[test]
