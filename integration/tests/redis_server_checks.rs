@@ -30,6 +30,12 @@ async fn counted(msg: Order, store: &RedisStore, runs: &AtomicU32) -> Result<(),
     Ok(())
 }
 
+/// Handles order `order_id` on `store`, which must run its handler.
+async fn processed(order_id: u64, store: &RedisStore, runs: &AtomicU32) {
+    let answer = counted(Order { order_id }, store, runs).await;
+    assert_eq!(answer.unwrap(), Outcome::Processed(()), "order {order_id}");
+}
+
 fn misconfigured(answer: Result<RedisStore, StoreError>) -> String {
     match answer {
         Err(StoreError::Misconfigured(reason)) => reason,
@@ -72,10 +78,7 @@ fn an_evicting_server_is_refused_unless_allowed_and_then_duplicates_run_again() 
         let runs = AtomicU32::new(0);
         let orders = 1_000;
         for order_id in 0..orders {
-            assert_eq!(
-                counted(Order { order_id }, &store, &runs).await.unwrap(),
-                Outcome::Processed(())
-            );
+            processed(order_id, &store, &runs).await;
         }
         // Other data of the application, with expiries, fills the memory.
         let mut conn = store.connection_manager().unwrap();
@@ -170,10 +173,7 @@ fn acl_users_without_what_the_store_needs_are_refused_at_connect() {
         let store = store.expect("a prefix the user may write");
         let warnings = store.check().await.unwrap();
         assert!(!warnings.iter().any(|w| w.contains("may not write")), "{warnings:?}");
-        assert_eq!(
-            counted(Order { order_id: 1 }, &store, &runs).await.unwrap(),
-            Outcome::Processed(())
-        );
+        processed(1, &store, &runs).await;
         assert_eq!(runs.load(Ordering::SeqCst), 1);
     });
 }
@@ -194,10 +194,7 @@ fn scripting_revoked_at_run_time_refuses_claims_until_restored() {
     block_on(async {
         let store = RedisStore::connect(url.as_str()).await.expect("a full user");
         let runs = AtomicU32::new(0);
-        assert_eq!(
-            counted(Order { order_id: 1 }, &store, &runs).await.unwrap(),
-            Outcome::Processed(())
-        );
+        processed(1, &store, &runs).await;
         assert!(server.cli(&["ACL", "SETUSER", "app", "-@scripting"]).contains("OK"));
         // In flight when it was revoked: ran, DONE refused, left for a retry.
         let caught = counted(Order { order_id: 2 }, &store, &runs).await.unwrap_err();
@@ -237,10 +234,7 @@ fn scripting_revoked_at_run_time_refuses_claims_until_restored() {
         assert_eq!(runs.load(Ordering::SeqCst), 3);
         // Order 2's redelivery, after its lease: the run the revocation cost.
         tokio::time::sleep(Duration::from_secs(2)).await;
-        assert_eq!(
-            counted(Order { order_id: 2 }, &store, &runs).await.unwrap(),
-            Outcome::Processed(())
-        );
+        processed(2, &store, &runs).await;
         assert_eq!(runs.load(Ordering::SeqCst), 4);
     });
 }
@@ -270,10 +264,7 @@ fn a_switchover_behind_one_address_reaches_the_new_master() {
         let proxy = LossyProxy::start(old.port).await;
         let store = RedisStore::connect(proxy.url().as_str()).await.expect("the master");
         let runs = AtomicU32::new(0);
-        assert_eq!(
-            counted(Order { order_id: 0 }, &store, &runs).await.unwrap(),
-            Outcome::Processed(())
-        );
+        processed(0, &store, &runs).await;
         let deadline = Instant::now() + Duration::from_secs(10);
         while !new.cli(&["INFO", "replication"]).contains("master_link_status:up") {
             assert!(Instant::now() < deadline, "the replica never synced");
@@ -325,8 +316,7 @@ fn a_restart_loses_the_records_no_append_only_file_kept() {
             );
             let (runs, orders) = (AtomicU32::new(0), 200);
             for order_id in 0..orders {
-                let processed = counted(Order { order_id }, &store, &runs).await.unwrap();
-                assert_eq!(processed, Outcome::Processed(()));
+                processed(order_id, &store, &runs).await;
             }
             server.kill();
             server.restart();
@@ -394,8 +384,7 @@ fn waiting_for_a_replica_keeps_every_record_through_a_failover() {
             let store = options.connect(master.url().as_str()).await.expect("the master");
             let (runs, orders) = (AtomicU32::new(0), 100);
             for order_id in 0..orders / 2 {
-                let processed = counted(Order { order_id }, &store, &runs).await.unwrap();
-                assert_eq!(processed, Outcome::Processed(()));
+                processed(order_id, &store, &runs).await;
             }
             // The replica has everything so far; then its link stops delivering.
             caught_up(&master);
