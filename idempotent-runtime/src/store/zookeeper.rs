@@ -20,6 +20,12 @@
 //! the handler takes its claim back at its next renewal, unless another consumer
 //! took the key over meanwhile: then the renewal answers `LeaseLost`.
 //!
+//! A released, done or failed record has a child too, its keeper: a TTL znode named
+//! `k` and the claim's token, made in the write that ends the claim, so that
+//! ZooKeeper's reaper never deletes a record's znode under a record that is still
+//! kept (see `keeper` in the source: the reaper deletes znodes it listed earlier,
+//! checking only that they have no children).
+//!
 //! Every transition is conditional on the znode's version, read just before, so a
 //! concurrent write makes it read again and decide anew; none overwrites another
 //! consumer's record. Expired records are deleted by ZooKeeper itself (TTL nodes: the
@@ -391,6 +397,11 @@ impl ZooKeeperStore {
                 if keep_child && (replaced || !had_child) {
                     writer.add_create(&child, record.token_text().as_bytes(), &ephemeral())?;
                 }
+                if !keep_child {
+                    // The claim's child gives way to the keeper, in the same write:
+                    // the record is never without a child (see `keeper`).
+                    writer.add_create(&child_path(&path, &next), b"", &keeper(next.keep))?;
+                }
                 Ok(())
             })();
             staged.map_err(zk_error)?;
@@ -432,6 +443,10 @@ impl ZooKeeperStore {
         take_back: bool,
     ) -> Result<Transition, StoreError> {
         self.transition(key, false, |record, stat, now| {
+            if record.state == b'R' && record.token == Some(token) {
+                // This release's own write, whose answer was lost and is sent again.
+                return Change::Done;
+            }
             if !record.holds(token) {
                 return Change::Lost;
             }
@@ -440,7 +455,8 @@ impl ZooKeeperStore {
                 if take_back { record.attempts.saturating_sub(1) } else { record.attempts };
             Change::To(Record {
                 state: b'R',
-                token: None,
+                // Kept: it names the record's keeper, and tells a release sent again.
+                token: Some(token),
                 lease: 0,
                 keep: left.max(1),
                 attempts,
@@ -607,9 +623,31 @@ fn ttl_node(keep: i64) -> zk::CreateOptions<'static> {
     persistent().with_ttl(Duration::from_millis(node_ttl_for(keep) as u64))
 }
 
-/// The ephemeral child of `record`'s claim: named after its token.
+/// The child of the znode at `path` holding `record`: an in-progress record's is the
+/// claim's ephemeral child, named after its token; a released, done or failed
+/// record's is its keeper, `k` and the token (see [`keeper`]).
 fn child_path(path: &str, record: &Record) -> String {
-    format!("{path}/{}", record.token_text())
+    match record.state {
+        b'P' => format!("{path}/{}", record.token_text()),
+        _ => format!("{path}/k{}", record.token_text()),
+    }
+}
+
+/// The keeper of a record that is not in progress: a childless TTL znode under the
+/// record's, made in the write that ends the claim (so the record's znode is never
+/// without a child), with the TTL of a znode holding a record kept `keep` ms.
+///
+/// ZooKeeper's reaper lists the TTL znodes that have no children and whose TTL ran
+/// out, then deletes them one by one (at most `znode.container.maxPerMinute` a
+/// minute, so a long list takes minutes), checking at each delete only that the znode
+/// has no children. A key that comes back after its record expired is written over
+/// that same znode, which a scan may have listed already; without a child its DONE
+/// would go with the listed delete, and a duplicate would run again. With the keeper,
+/// that delete finds a child and fails; the keeper itself is a new znode, named after
+/// the new claim, which no earlier scan listed. The reaper deletes the keeper once its
+/// TTL runs out, then the record's znode.
+fn keeper(keep: i64) -> zk::CreateOptions<'static> {
+    ttl_node(keep)
 }
 
 /// The TTL a TTL znode was created with, in ms (0 for any other znode): ZooKeeper

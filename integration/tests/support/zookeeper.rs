@@ -16,6 +16,8 @@ const JAR: &str = "/usr/share/java/zookeeper.jar";
 pub struct ZooKeeperServer {
     child: Option<Child>,
     dir: PathBuf,
+    /// JVM system properties the server runs with (`-Dname=value`), besides TTL nodes.
+    properties: Vec<String>,
     pub port: u16,
 }
 
@@ -23,6 +25,12 @@ impl ZooKeeperServer {
     /// Starts a server with a 200 ms tick (sessions of 0.4 to 4 s); `None` outside CI
     /// when ZooKeeper is not installed.
     pub fn start() -> Option<ZooKeeperServer> {
+        ZooKeeperServer::start_with(&["-Dznode.container.checkIntervalMs=500"])
+    }
+
+    /// Starts a server as [`start`](ZooKeeperServer::start) does, with these JVM system
+    /// properties (`-Dname=value`) instead of its reaper settings.
+    pub fn start_with(properties: &[&str]) -> Option<ZooKeeperServer> {
         if !std::path::Path::new(JAR).exists() {
             assert!(std::env::var_os("CI").is_none(), "CI needs ZooKeeper ({JAR})");
             eprintln!("skipped: ZooKeeper is not installed (apt-get install zookeeper)");
@@ -33,11 +41,12 @@ impl ZooKeeperServer {
         std::fs::create_dir_all(dir.join("data")).unwrap();
         let config = format!(
             "tickTime=200\ndataDir={}\nclientPort={port}\nclientPortAddress=127.0.0.1\n\
-             admin.enableServer=false\nmaxClientCnxns=0\n4lw.commands.whitelist=ruok\nforceSync=no\n",
+             admin.enableServer=false\nmaxClientCnxns=0\n4lw.commands.whitelist=ruok,mntr\nforceSync=no\n",
             dir.join("data").display()
         );
         std::fs::write(dir.join("zoo.cfg"), config).unwrap();
-        let mut server = ZooKeeperServer { child: None, dir, port };
+        let properties = properties.iter().map(|p| p.to_string()).collect();
+        let mut server = ZooKeeperServer { child: None, dir, properties, port };
         server.restart();
         Some(server)
     }
@@ -58,10 +67,8 @@ impl ZooKeeperServer {
     pub fn restart(&mut self) {
         self.kill();
         let child = Command::new("java")
-            .args([
-                "-Dzookeeper.extendedTypesEnabled=true",
-                "-Dznode.container.checkIntervalMs=500",
-            ])
+            .arg("-Dzookeeper.extendedTypesEnabled=true")
+            .args(&self.properties)
             .args(["-cp", &format!("/etc/zookeeper/conf:{JAR}")])
             .arg("org.apache.zookeeper.server.ZooKeeperServerMain")
             .arg(self.dir.join("zoo.cfg"))
