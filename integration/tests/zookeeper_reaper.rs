@@ -82,7 +82,10 @@ fn a_done_written_over_a_znode_the_reaper_listed_outlives_its_delete() {
             // The record an earlier delivery left, done and long expired: kept 1 ms,
             // in a znode whose TTL (1 ms) ran out as well.
             let old = format!("D{:032x} 0 1 1 - ", 7u128);
-            let (old_stat, _) = client.create(&path, old.as_bytes(), &ttl_node(Duration::from_millis(1))).await.unwrap();
+            let (old_stat, _) = client
+                .create(&path, old.as_bytes(), &ttl_node(Duration::from_millis(1)))
+                .await
+                .unwrap();
             let decoys: Vec<String> = (0..40).map(|i| format!("/decoys/r{round}-{i}")).collect();
             for decoy in &decoys {
                 client.create(decoy, b"", &ttl_node(Duration::from_millis(1))).await.unwrap();
@@ -111,7 +114,13 @@ fn a_done_written_over_a_znode_the_reaper_listed_outlives_its_delete() {
             assert!(matches!(first, Outcome::Processed(())), "{first:?}");
             // The queue drains, then one more scan.
             let deadline = Instant::now() + Duration::from_secs(30);
-            while client.list_children("/decoys").await.unwrap().iter().any(|d| d.starts_with(&format!("r{round}-"))) {
+            while client
+                .list_children("/decoys")
+                .await
+                .unwrap()
+                .iter()
+                .any(|d| d.starts_with(&format!("r{round}-")))
+            {
                 assert!(Instant::now() < deadline, "the reaper's queue did not drain");
                 tokio::time::sleep(Duration::from_millis(50)).await;
             }
