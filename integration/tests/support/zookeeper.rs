@@ -41,7 +41,7 @@ impl ZooKeeperServer {
         std::fs::create_dir_all(dir.join("data")).unwrap();
         let config = format!(
             "tickTime=200\ndataDir={}\nclientPort={port}\nclientPortAddress=127.0.0.1\n\
-             admin.enableServer=false\nmaxClientCnxns=0\n4lw.commands.whitelist=ruok,mntr\nforceSync=no\n",
+             admin.enableServer=false\nmaxClientCnxns=0\n4lw.commands.whitelist=ruok\nforceSync=no\n",
             dir.join("data").display()
         );
         std::fs::write(dir.join("zoo.cfg"), config).unwrap();
