@@ -46,11 +46,14 @@ pub async fn connect(url: &str, at: Option<&str>) -> Result<Box<dyn Admin>, Fail
                 })
             }
             "zk" | "zookeeper" => {
-                let Some((hosts, root)) = zookeeper_target(rest, at.as_deref()) else {
+                let Some(target) = zookeeper_target(rest, at.as_deref()) else {
                     return Ok(Err(scheme));
                 };
-                let timeout = zookeeper_store::DEFAULT_SESSION_TIMEOUT;
-                Box::new(ZooKeeperStore::connect_with(hosts, &root, timeout).await?)
+                let mut options = ZooKeeperStore::builder(target.hosts).root(&target.root);
+                if let Some((user, password)) = &target.digest {
+                    options = options.digest(user, password);
+                }
+                Box::new(options.connect().await?)
             }
             _ => return Ok(Err("")),
         };
@@ -62,8 +65,8 @@ pub async fn connect(url: &str, at: Option<&str>) -> Result<Box<dyn Admin>, Fail
             Err(usage(format!("`{scheme}://` is not a store this tool knows; one of {SCHEMES}")))
         }
         Ok(Ok(Err(scheme))) => Err(usage(format!(
-            "`{shown}` is not a {scheme}:// URL: expected {scheme}://host:port,host:port/root \
-             (with no parameters but `at`)"
+            "`{shown}` is not a {scheme}:// URL: expected \
+             {scheme}://[user:password@]host:port,host:port/root (with no parameters but `at`)"
         ))),
         Ok(Err(error)) => {
             Err(Failure(Exit::Store, format!("cannot use the store at {shown}: {error}")))
@@ -87,21 +90,38 @@ fn cluster_nodes(scheme: &str, rest: &str) -> Vec<String> {
     hosts.split(',').map(|host| format!("{plain}://{auth}{host}/{tail}")).collect()
 }
 
-/// The hosts and root of a `zk://host:port,host:port/root` URL's `rest` (after the
-/// scheme): the root is `at` when given (a leading `/` added if missing), else the
-/// URL's path, else [`zookeeper_store::DEFAULT_ROOT`]. `None` for a URL with no host
-/// or with query parameters, which ZooKeeper has none of.
-fn zookeeper_target<'a>(rest: &'a str, at: Option<&str>) -> Option<(&'a str, String)> {
-    // ZooKeeper URLs carry no credentials: an `@` would be read as part of a port
-    // and echoed in the client's error.
-    if rest.contains(['?', '@']) {
+/// Where a `zk://[user:password@]host:port,host:port/root` URL points.
+#[derive(Debug, PartialEq)]
+struct ZooKeeperTarget<'a> {
+    hosts: &'a str,
+    root: String,
+    /// The `digest` user and password, percent-decoded.
+    digest: Option<(String, String)>,
+}
+
+/// The target of a ZooKeeper URL's `rest` (after the scheme), with `at` (the option
+/// or the URL's `at` parameter) taking the place of the URL's path. `None` for a URL
+/// of another shape.
+fn zookeeper_target<'a>(rest: &'a str, at: Option<&str>) -> Option<ZooKeeperTarget<'a>> {
+    // The credentials end at the last `@`: a password may hold `/` or `@`.
+    let (digest, rest) = match rest.rfind('@') {
+        Some(at) => {
+            let (user, password) = rest[..at].split_once(':')?;
+            let decode = |part: &str| {
+                percent_encoding::percent_decode_str(part).decode_utf8().ok().map(String::from)
+            };
+            (Some((decode(user)?, decode(password)?)), &rest[at + 1..])
+        }
+        None => (None, rest),
+    };
+    if rest.contains('?') {
         return None;
     }
     let (hosts, path) = match rest.split_once('/') {
         Some((hosts, path)) => (hosts, path.trim_end_matches('/')),
         None => (rest, ""),
     };
-    if hosts.is_empty() {
+    if hosts.is_empty() || digest.as_ref().is_some_and(|(user, _)| user.is_empty()) {
         return None;
     }
     let root = match at {
@@ -110,7 +130,7 @@ fn zookeeper_target<'a>(rest: &'a str, at: Option<&str>) -> Option<(&'a str, Str
         None if path.is_empty() => zookeeper_store::DEFAULT_ROOT.to_owned(),
         None => format!("/{path}"),
     };
-    Some((hosts, root))
+    Some(ZooKeeperTarget { hosts, root, digest })
 }
 
 fn usage(message: String) -> Failure {
@@ -206,25 +226,32 @@ mod tests {
     }
 
     #[test]
-    fn zookeeper_urls_give_hosts_and_root() {
+    fn zookeeper_urls_give_hosts_root_and_credentials() {
+        let target = |hosts, root: &str| {
+            Some(ZooKeeperTarget { hosts, root: root.to_owned(), digest: None })
+        };
         assert_eq!(
             zookeeper_target("a:2181,b:2181/apps/idempotent", None),
-            Some(("a:2181,b:2181", "/apps/idempotent".to_owned()))
+            target("a:2181,b:2181", "/apps/idempotent")
         );
-        assert_eq!(zookeeper_target("a:2181", None), Some(("a:2181", "/idempotent".to_owned())));
-        assert_eq!(zookeeper_target("a:2181/", None), Some(("a:2181", "/idempotent".to_owned())));
-        assert_eq!(
-            zookeeper_target("a:2181/ignored", Some("/orders")),
-            Some(("a:2181", "/orders".to_owned()))
-        );
-        assert_eq!(
-            zookeeper_target("a:2181", Some("orders")),
-            Some(("a:2181", "/orders".to_owned()))
-        );
+        assert_eq!(zookeeper_target("a:2181", None), target("a:2181", "/idempotent"));
+        assert_eq!(zookeeper_target("a:2181/", None), target("a:2181", "/idempotent"));
+        assert_eq!(zookeeper_target("a:2181/ignored", Some("/orders")), target("a:2181", "/orders"));
+        assert_eq!(zookeeper_target("a:2181", Some("orders")), target("a:2181", "/orders"));
         assert_eq!(zookeeper_target("/idempotent", None), None);
         assert_eq!(zookeeper_target("a:2181/x?timeout=5", None), None);
-        // Credentials are refused rather than read as a port and echoed.
-        assert_eq!(zookeeper_target("admin:s3cret@zkhost/idempotent", None), None);
+        // Digest credentials, percent-decoded; the last `@` ends them.
+        assert_eq!(
+            zookeeper_target("orders:s3%2Fc@ret@zk1:2181,zk2:2181/idempotent", None),
+            Some(ZooKeeperTarget {
+                hosts: "zk1:2181,zk2:2181",
+                root: "/idempotent".to_owned(),
+                digest: Some(("orders".to_owned(), "s3/c@ret".to_owned())),
+            })
+        );
+        // A user with no password, or no user, is not a digest identity.
+        assert_eq!(zookeeper_target("admin@zkhost/idempotent", None), None);
+        assert_eq!(zookeeper_target(":pw@zkhost/idempotent", None), None);
     }
 
     #[test]

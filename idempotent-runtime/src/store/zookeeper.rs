@@ -72,45 +72,148 @@ struct Inner {
     hosts: String,
     root: String,
     session_timeout: Duration,
+    /// `user:password` for the `digest` scheme, sent on every new session.
+    digest: Option<String>,
+    /// The ACL of every znode the store creates: `creator_all` with credentials.
+    acls: zk::Acls<'static>,
     /// The session in use; replaced by a new one once it expires.
     client: tokio::sync::Mutex<Option<zk::Client>>,
     /// The leader's clock, as last seen in a write's `mtime`.
     clock: parking_lot::Mutex<Option<(i64, Instant)>>,
 }
 
-impl ZooKeeperStore {
-    /// Connects to the ensemble at `hosts` (`"host:port,host:port"`), keeping records
-    /// under [`DEFAULT_ROOT`], with a [`DEFAULT_SESSION_TIMEOUT`] session.
-    pub async fn connect(hosts: &str) -> Result<ZooKeeperStore, StoreError> {
-        ZooKeeperStore::connect_with(hosts, DEFAULT_ROOT, DEFAULT_SESSION_TIMEOUT).await
+/// How to connect a [`ZooKeeperStore`]: from [`ZooKeeperStore::builder`].
+#[derive(Clone)]
+#[must_use = "options do nothing until `connect` is awaited"]
+pub struct ZooKeeperOptions {
+    hosts: String,
+    root: String,
+    session_timeout: Duration,
+    /// `user:password`, for the `digest` scheme.
+    digest: Option<String>,
+}
+
+impl std::fmt::Debug for ZooKeeperOptions {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ZooKeeperOptions")
+            .field("hosts", &without_credentials(&self.hosts))
+            .field("root", &self.root)
+            .field("session_timeout", &self.session_timeout)
+            .field("digest", &self.digest.as_ref().map(|_| "<credentials>"))
+            .finish()
+    }
+}
+
+impl ZooKeeperOptions {
+    /// Keeps records under `root`, an absolute path created if missing (default
+    /// [`DEFAULT_ROOT`]). Give each application a root of its own.
+    pub fn root(mut self, root: &str) -> Self {
+        root.clone_into(&mut self.root);
+        self
     }
 
-    /// Connects to the ensemble at `hosts`, keeping records under `root` (an absolute
-    /// path, created if missing), with sessions of `session_timeout` (the ensemble
-    /// bounds it to between 2 and 20 ticks). Fails if the ensemble can't be reached or
-    /// refuses TTL nodes.
-    pub async fn connect_with(
-        hosts: &str,
-        root: &str,
-        session_timeout: Duration,
-    ) -> Result<ZooKeeperStore, StoreError> {
+    /// The session timeout asked of the ensemble (default [`DEFAULT_SESSION_TIMEOUT`];
+    /// the ensemble bounds it to between 2 and 20 ticks): a dead consumer's claims are
+    /// taken over this long after its last heartbeat.
+    pub fn session_timeout(mut self, timeout: Duration) -> Self {
+        self.session_timeout = timeout;
+        self
+    }
+
+    /// Authenticates every session as `user` with `password` (ZooKeeper's `digest`
+    /// scheme), and creates the root, its buckets and every record readable and
+    /// writable by that identity only (the `creator_all` ACL: `digest:user:hash`).
+    /// Without credentials, znodes are created open to anyone (`world:anyone`), so
+    /// any client of the ensemble can read or change records: use credentials on an
+    /// ensemble other applications share.
+    ///
+    /// ZooKeeper does not refuse a wrong password (a digest identity is whatever the
+    /// password hashes to); the ACLs do. [`connect`](Self::connect) therefore checks
+    /// that the session may create, read, write and delete under the root, and fails
+    /// with [`StoreError::Misconfigured`] when the root belongs to another identity.
+    pub fn digest(mut self, user: &str, password: &str) -> Self {
+        self.digest = Some(format!("{user}:{password}"));
+        self
+    }
+
+    /// Connects: reaches the ensemble, creates the root if missing, and checks that
+    /// the server allows TTL nodes and that this session may create, read, write and
+    /// delete znodes under the root. Each refusal is an error that says what to change.
+    pub async fn connect(self) -> Result<ZooKeeperStore, StoreError> {
+        let root = self.root;
         if !root.starts_with('/') || root.len() < 2 || root.ends_with('/') {
             return Err(StoreError::unavailable(format!(
                 "the ZooKeeper root must be an absolute path such as `/idempotent`, not `{root}`"
             )));
         }
+        if let Some(digest) = &self.digest {
+            if digest.starts_with(':') {
+                return Err(StoreError::Misconfigured(
+                    "the ZooKeeper digest user is empty: pass the user's name to `digest`".into(),
+                ));
+            }
+        }
+        let acls =
+            if self.digest.is_some() { zk::Acls::creator_all() } else { zk::Acls::anyone_all() };
         let store = ZooKeeperStore {
             inner: Arc::new(Inner {
-                hosts: hosts.to_owned(),
-                root: root.to_owned(),
-                session_timeout,
+                hosts: self.hosts,
+                root,
+                session_timeout: self.session_timeout,
+                digest: self.digest,
+                acls,
                 client: tokio::sync::Mutex::new(None),
                 clock: parking_lot::Mutex::new(None),
             }),
         };
         let client = store.client().await?;
-        store.check_ttl_nodes(&client).await?;
+        store.check_root(&client).await?;
         Ok(store)
+    }
+}
+
+impl ZooKeeperStore {
+    /// Connects to the ensemble at `hosts` (`"host:port,host:port"`), keeping records
+    /// under [`DEFAULT_ROOT`], with a [`DEFAULT_SESSION_TIMEOUT`] session.
+    pub async fn connect(hosts: &str) -> Result<ZooKeeperStore, StoreError> {
+        ZooKeeperStore::builder(hosts).connect().await
+    }
+
+    /// Connects to the ensemble at `hosts`, keeping records under `root` (an absolute
+    /// path, created if missing), with sessions of `session_timeout` (the ensemble
+    /// bounds it to between 2 and 20 ticks). Fails if the ensemble can't be reached or
+    /// refuses TTL nodes. [`ZooKeeperStore::builder`] also takes credentials.
+    pub async fn connect_with(
+        hosts: &str,
+        root: &str,
+        session_timeout: Duration,
+    ) -> Result<ZooKeeperStore, StoreError> {
+        ZooKeeperStore::builder(hosts).root(root).session_timeout(session_timeout).connect().await
+    }
+
+    /// Options for a store on the ensemble at `hosts` (`"host:port,host:port"`): its
+    /// root, session timeout and credentials, then [`connect`](ZooKeeperOptions::connect).
+    ///
+    /// ```no_run
+    /// # async fn demo() -> Result<(), idempotent_runtime::StoreError> {
+    /// use std::time::Duration;
+    /// use idempotent_runtime::zookeeper_store::ZooKeeperStore;
+    ///
+    /// let store = ZooKeeperStore::builder("zk1:2181,zk2:2181,zk3:2181")
+    ///     .root("/orders/idempotent")
+    ///     .session_timeout(Duration::from_secs(6))
+    ///     .digest("orders", &std::env::var("ZK_PASSWORD").unwrap_or_default())
+    ///     .connect()
+    ///     .await?;
+    /// # let _ = store; Ok(()) }
+    /// ```
+    pub fn builder(hosts: &str) -> ZooKeeperOptions {
+        ZooKeeperOptions {
+            hosts: hosts.to_owned(),
+            root: DEFAULT_ROOT.to_owned(),
+            session_timeout: DEFAULT_SESSION_TIMEOUT,
+            digest: None,
+        }
     }
 
     /// The current session, or a new one when there is none or it expired.
@@ -124,9 +227,14 @@ impl ZooKeeperStore {
                 return Ok(client.clone());
             }
         }
-        let client = zk::Client::connector()
+        let mut connector = zk::Client::connector();
+        connector = connector
             .with_session_timeout(self.inner.session_timeout)
-            .with_connection_timeout(Duration::from_secs(5))
+            .with_connection_timeout(Duration::from_secs(5));
+        if let Some(digest) = &self.inner.digest {
+            connector = connector.with_auth("digest", digest.as_bytes());
+        }
+        let client = connector
             .connect(&self.inner.hosts)
             .await
             .map_err(|e| {
@@ -135,29 +243,70 @@ impl ZooKeeperStore {
                     without_credentials(&self.inner.hosts)
                 ))
             })?;
-        make_path(&client, &self.inner.root).await?;
+        make_path(&client, &self.inner.root, self.inner.acls)
+            .await
+            .map_err(|e| self.refused("create", e))?;
         *held = Some(client.clone());
         Ok(client)
     }
 
-    /// Creating a TTL node fails unless the server enables extended types.
-    async fn check_ttl_nodes(&self, client: &zk::Client) -> Result<(), StoreError> {
-        let path = format!("{}/ttl-check-{}", self.inner.root, Token::random());
-        let options = persistent().with_ttl(Duration::from_secs(1));
+    /// Checks what every transition needs of the ensemble: TTL nodes (refused unless
+    /// the server enables extended types) and, for this session, create, read and
+    /// delete under the root and write on the root (the clock reading writes it).
+    async fn check_root(&self, client: &zk::Client) -> Result<(), StoreError> {
+        let root = &self.inner.root;
+        let refused = |needed: &str, error: zk::Error| self.refused(needed, error);
+        let path = format!("{root}/ttl-check-{}", Token::random());
+        let options = persistent(self.inner.acls).with_ttl(Duration::from_secs(1));
         match client.create(&path, b"", &options).await {
-            Ok((stat, _)) => {
-                self.observe(&stat);
-                let _ = client.delete(&path, None).await;
-                Ok(())
-            }
+            Ok((stat, _)) => self.observe(&stat),
             Err(zk::Error::Unimplemented | zk::Error::BadArguments(_)) => {
-                Err(StoreError::Rejected(
+                return Err(StoreError::Rejected(
                     "ZooKeeper refuses TTL nodes: start the server with \
                      -Dzookeeper.extendedTypesEnabled=true"
                         .into(),
+                ));
+            }
+            Err(e) => return Err(refused("create znodes under", e)),
+        }
+        let checked = async {
+            client.get_data(&path).await.map_err(|e| refused("read znodes under", e))?;
+            client.list_children(root).await.map_err(|e| refused("list", e))?;
+            self.fresh_now(client).await.map_err(|e| match e {
+                StoreError::Misconfigured(_) => refused("write", zk::Error::NoAuth),
+                other => other,
+            })
+        }
+        .await;
+        let deleted = client.delete(&path, None).await;
+        checked?;
+        deleted.map_err(|e| refused("delete znodes under", e))
+    }
+
+    /// `error` from a step that needed permission to `needed` the root: an ACL
+    /// that refuses this session is a misconfiguration that names the identity
+    /// (never the password) and what to do; anything else is [`zk_error`]'s.
+    fn refused(&self, needed: &str, error: zk::Error) -> StoreError {
+        let root = &self.inner.root;
+        match error {
+            zk::Error::NoAuth | zk::Error::InvalidAcl => {
+                let who = match &self.inner.digest {
+                    Some(digest) => {
+                        let user = digest.split(':').next().unwrap_or_default();
+                        format!("the digest identity `{user}`")
+                    }
+                    None => "a session without credentials".to_owned(),
+                };
+                StoreError::Misconfigured(format!(
+                    "ZooKeeper refused {who} permission to {needed} the records' root `{root}` \
+                     ({error}): its ACL grants that to another identity. Connect with the \
+                     credentials it was created with (`ZooKeeperStore::builder(..).digest(..)`, \
+                     and check the password: a wrong one is another identity), choose another \
+                     root, or have an administrator grant this identity `cdrwa` on `{root}` \
+                     (`setAcl -R`)"
                 ))
             }
-            Err(e) => Err(zk_error(e)),
+            other => zk_error(other),
         }
     }
 
@@ -242,7 +391,7 @@ impl ZooKeeperStore {
                 match self.take(client, &path, None, &fresh).await {
                     Ok(()) => return Ok(Claim::Won { token, attempt: 1 }),
                     Err(Taken::Raced) => continue,
-                    Err(Taken::NoBucket) => match client.create(&bucket, b"", &container()).await {
+                    Err(Taken::NoBucket) => match client.create(&bucket, b"", &container(self.inner.acls)).await {
                         Ok(_) | Err(zk::Error::NodeExists) => continue,
                         Err(e) => return Err(zk_error(e)),
                     },
@@ -309,6 +458,7 @@ impl ZooKeeperStore {
         record: &Record,
     ) -> Result<(), Taken> {
         let data = record.encode();
+        let acls = self.inner.acls;
         let mut writer = client.new_multi_writer();
         let staged = (|| {
             match seen {
@@ -316,14 +466,14 @@ impl ZooKeeperStore {
                     if stat.num_children > 0 {
                         writer.add_delete(&child_path(path, earlier), None)?;
                     }
-                    stage_write(&mut writer, path, stat, &data, record.keep)?;
+                    stage_write(&mut writer, path, stat, &data, record.keep, acls)?;
                 }
-                None => writer.add_create(path, &data, &ttl_node(record.keep))?,
+                None => writer.add_create(path, &data, &ttl_node(record.keep, acls))?,
             }
             writer.add_create(
                 &child_path(path, record),
                 record.token_text().as_bytes(),
-                &ephemeral(),
+                &ephemeral(acls),
             )
         })();
         staged.map_err(|e| Taken::Failed(zk_error(e)))?;
@@ -388,19 +538,20 @@ impl ZooKeeperStore {
             // A znode replaced for a longer TTL comes without the child.
             let replaced = node_ttl(stat.ephemeral_owner) < node_ttl_for(next.keep);
             let had_child = stat.num_children > 0;
+            let acls = self.inner.acls;
             let mut writer = client.new_multi_writer();
             let staged = (|| {
                 if had_child && (replaced || !keep_child) {
                     writer.add_delete(&child, None)?;
                 }
-                stage_write(&mut writer, &path, &stat, &next.encode(), next.keep)?;
+                stage_write(&mut writer, &path, &stat, &next.encode(), next.keep, acls)?;
                 if keep_child && (replaced || !had_child) {
-                    writer.add_create(&child, record.token_text().as_bytes(), &ephemeral())?;
+                    writer.add_create(&child, record.token_text().as_bytes(), &ephemeral(acls))?;
                 }
                 if !keep_child {
                     // The claim's child gives way to the keeper, in the same write:
                     // the record is never without a child (see `keeper`).
-                    writer.add_create(&child_path(&path, &next), b"", &keeper(next.keep))?;
+                    writer.add_create(&child_path(&path, &next), b"", &keeper(next.keep, acls))?;
                 }
                 Ok(())
             })();
@@ -609,18 +760,19 @@ fn stage_write(
     stat: &zk::Stat,
     data: &[u8],
     keep: i64,
+    acls: zk::Acls<'static>,
 ) -> Result<(), zk::Error> {
     if node_ttl(stat.ephemeral_owner) >= node_ttl_for(keep) {
         writer.add_set_data(path, data, Some(stat.version))
     } else {
         writer.add_delete(path, Some(stat.version))?;
-        writer.add_create(path, data, &ttl_node(keep))
+        writer.add_create(path, data, &ttl_node(keep, acls))
     }
 }
 
 /// A persistent znode holding a record kept `keep` ms.
-fn ttl_node(keep: i64) -> zk::CreateOptions<'static> {
-    persistent().with_ttl(Duration::from_millis(node_ttl_for(keep) as u64))
+fn ttl_node(keep: i64, acls: zk::Acls<'static>) -> zk::CreateOptions<'static> {
+    persistent(acls).with_ttl(Duration::from_millis(node_ttl_for(keep) as u64))
 }
 
 /// The child of the znode at `path` holding `record`: an in-progress record's is the
@@ -646,8 +798,8 @@ fn child_path(path: &str, record: &Record) -> String {
 /// that delete finds a child and fails; the keeper itself is a new znode, named after
 /// the new claim, which no earlier scan listed. The reaper deletes the keeper once its
 /// TTL runs out, then the record's znode.
-fn keeper(keep: i64) -> zk::CreateOptions<'static> {
-    ttl_node(keep)
+fn keeper(keep: i64, acls: zk::Acls<'static>) -> zk::CreateOptions<'static> {
+    ttl_node(keep, acls)
 }
 
 /// The TTL a TTL znode was created with, in ms (0 for any other znode): ZooKeeper
@@ -679,26 +831,34 @@ fn millis(d: Duration) -> i64 {
     d.min(crate::execute::Spec::MAX_DURATION).as_millis().max(1) as i64
 }
 
-fn persistent() -> zk::CreateOptions<'static> {
-    zk::CreateMode::Persistent.with_acls(zk::Acls::anyone_all())
+fn persistent(acls: zk::Acls<'static>) -> zk::CreateOptions<'static> {
+    zk::CreateMode::Persistent.with_acls(acls)
 }
 
 /// A bucket: ZooKeeper deletes it once its last record is gone.
-fn container() -> zk::CreateOptions<'static> {
-    zk::CreateMode::Container.with_acls(zk::Acls::anyone_all())
+fn container(acls: zk::Acls<'static>) -> zk::CreateOptions<'static> {
+    zk::CreateMode::Container.with_acls(acls)
 }
 
-fn ephemeral() -> zk::CreateOptions<'static> {
-    zk::CreateMode::Ephemeral.with_acls(zk::Acls::anyone_all())
+fn ephemeral(acls: zk::Acls<'static>) -> zk::CreateOptions<'static> {
+    zk::CreateMode::Ephemeral.with_acls(acls)
 }
 
-/// Creates `path` and its missing parents as persistent znodes.
-async fn make_path(client: &zk::Client, path: &str) -> Result<(), StoreError> {
+/// Creates `path` and its missing parents as persistent znodes. A node that
+/// exists is passed even where the session may not create under its parent
+/// (ZooKeeper checks that permission before it looks for the node): whether the
+/// session may use the root is [`ZooKeeperStore::check_root`]'s to say.
+async fn make_path(
+    client: &zk::Client,
+    path: &str,
+    acls: zk::Acls<'static>,
+) -> Result<(), zk::Error> {
     let parents = path.match_indices('/').skip(1).map(|(at, _)| &path[..at]);
     for node in parents.chain([path]) {
-        match client.create(node, b"", &persistent()).await {
+        match client.create(node, b"", &persistent(acls)).await {
             Ok(_) | Err(zk::Error::NodeExists) => {}
-            Err(e) => return Err(zk_error(e)),
+            Err(zk::Error::NoAuth) if client.check_stat(node).await?.is_some() => {}
+            Err(e) => return Err(e),
         }
     }
     Ok(())
