@@ -41,7 +41,7 @@ impl ZooKeeperServer {
         std::fs::create_dir_all(dir.join("data")).unwrap();
         let config = format!(
             "tickTime=200\ndataDir={}\nclientPort={port}\nclientPortAddress=127.0.0.1\n\
-             admin.enableServer=false\nmaxClientCnxns=0\n4lw.commands.whitelist=ruok\nforceSync=no\n",
+             admin.enableServer=false\nmaxClientCnxns=0\n4lw.commands.whitelist=ruok,mntr\nforceSync=no\n",
             dir.join("data").display()
         );
         std::fs::write(dir.join("zoo.cfg"), config).unwrap();
@@ -108,15 +108,39 @@ pub async fn connect(hosts: &str, root: &str, session: Duration) -> idempotent::
 
 /// Whether the server answers `ruok` with `imok`.
 fn ruok(port: u16) -> bool {
+    four_letter(port, "ruok").is_some_and(|answer| answer == "imok")
+}
+
+/// The server's answer to a four-letter command, `None` when it can't be had.
+fn four_letter(port: u16, command: &str) -> Option<String> {
     use std::io::{Read, Write};
-    let Ok(mut stream) = std::net::TcpStream::connect(("127.0.0.1", port)) else { return false };
-    let _ = stream.set_read_timeout(Some(Duration::from_secs(1)));
-    if stream.write_all(b"ruok").is_err() {
-        return false;
-    }
+    let mut stream = std::net::TcpStream::connect(("127.0.0.1", port)).ok()?;
+    let _ = stream.set_read_timeout(Some(Duration::from_secs(5)));
+    stream.write_all(command.as_bytes()).ok()?;
     let mut answer = String::new();
     let _ = stream.read_to_string(&mut answer);
-    answer == "imok"
+    Some(answer)
+}
+
+impl ZooKeeperServer {
+    /// The server's `mntr` figures (`zk_znode_count`, `zk_approximate_data_size`…),
+    /// read from outside the store, as an operator's monitoring does.
+    pub fn mntr(&self) -> std::collections::HashMap<String, String> {
+        let answer = four_letter(self.port, "mntr").unwrap_or_default();
+        answer
+            .lines()
+            .filter_map(|line| line.split_once('\t'))
+            .map(|(name, value)| (name.to_owned(), value.trim().to_owned()))
+            .collect()
+    }
+
+    /// The server process's resident memory, in KiB (`VmRSS`), when it runs.
+    pub fn resident_kib(&self) -> Option<u64> {
+        let pid = self.child.as_ref()?.id();
+        let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+        let line = status.lines().find(|line| line.starts_with("VmRSS:"))?;
+        line.split_whitespace().nth(1)?.parse().ok()
+    }
 }
 
 impl Drop for ZooKeeperServer {
