@@ -80,7 +80,7 @@ fn redis_written(u: &mut Unstructured<'_>) -> arbitrary::Result<()> {
     let fp = fingerprint(u)?;
     let claimer = redis::Claimer::new(token, lease, retention, fp);
     let fresh = claimer.fresh_record();
-    assert_eq!(claimer.settle(&fresh), Some(Claim::Won { token: claimer.token(), attempt: 1 }));
+    assert_eq!(claimer.settle(&fresh), Some(Claim::Won { token: claimer.token(), attempt: 1, fence: None }));
     let other = redis::Claimer::new(token.wrapping_add(1), lease, retention, fp);
     assert_eq!(other.settle(&fresh), None, "another's live claim needs the script");
     let pttl: i64 = u.int_in_range(-1..=i64::MAX)?;

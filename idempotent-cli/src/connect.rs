@@ -236,7 +236,10 @@ mod tests {
         );
         assert_eq!(zookeeper_target("a:2181", None), target("a:2181", "/idempotent"));
         assert_eq!(zookeeper_target("a:2181/", None), target("a:2181", "/idempotent"));
-        assert_eq!(zookeeper_target("a:2181/ignored", Some("/orders")), target("a:2181", "/orders"));
+        assert_eq!(
+            zookeeper_target("a:2181/ignored", Some("/orders")),
+            target("a:2181", "/orders")
+        );
         assert_eq!(zookeeper_target("a:2181", Some("orders")), target("a:2181", "/orders"));
         assert_eq!(zookeeper_target("/idempotent", None), None);
         assert_eq!(zookeeper_target("a:2181/x?timeout=5", None), None);

@@ -99,7 +99,7 @@ async fn session<S: Store>(store: &S, url: &str, at: &str) {
     assert_eq!(code(&released), 0, "{released:?}");
     let key = Key::new(ns, "order:2").unwrap();
     match store.claim(&key, LEASE, TTL, None).await.unwrap() {
-        Claim::Won { attempt: 1, token } => {
+        Claim::Won { attempt: 1, token, .. } => {
             assert_eq!(store.complete(&key, token, TTL, None).await.unwrap(), Transition::Applied);
         }
         other => panic!("the released key processes again from attempt 1, not {other:?}"),

@@ -14,14 +14,27 @@ pub struct Current {
     /// Which attempt this is, from 1. It grows by one with every claim of the key
     /// while its record lasts, and restarts at 1 when the record goes (it expires, is
     /// released by force, or is evicted from a Redis that evicts), while a stalled
-    /// handler may still hold a higher one: it is no fencing number. To refuse a late
-    /// write downstream, record the claim's `token` with the write, or guard the
-    /// business data itself.
+    /// handler may still hold a higher one: it is no fencing number (see `fence`).
     pub attempt: u32,
     /// The claim's token: the store accepts renewals and the result only with it, and
     /// a downstream system that reads the record can compare it to tell this claim
     /// from any other.
     pub token: Token,
+    /// The claim's fencing number: larger than that of every earlier claim of the
+    /// key, whatever came between (a release, an expiry, a takeover after a lapsed
+    /// lease, a record deleted by force). Send it with every write the handler makes
+    /// downstream, and have the downstream system keep the largest it has seen for
+    /// the resource and refuse a write with a smaller one: a handler that stalled
+    /// past its lease, whose key another consumer took over, can then no longer
+    /// overwrite the newer claim's writes.
+    ///
+    /// `Some` on `MemoryStore` (a per-store count), `ZooKeeperStore` (the claim
+    /// write's zxid) and `PostgresStore` (the claim's transaction id), outside a
+    /// transactional handler's own transaction, whose writes commit with the record
+    /// and need none. `None` on `RedisStore` and `MysqlStore` (neither has a number
+    /// that outlives the record, and an expired or evicted record would start it
+    /// over) and on `NoStore`: there, guard the business data itself.
+    pub fence: Option<u64>,
 }
 
 tokio::task_local! {

@@ -461,11 +461,11 @@ where
         // A won claim's time is taken when the body starts, with the same clock read.
         meter.claimed(claimed_at);
     }
-    let (token, attempt) = match answer {
-        Ok(Claim::Won { token, attempt }) => {
+    let (token, attempt, fence) = match answer {
+        Ok(Claim::Won { token, attempt, fence }) => {
             span.record("attempt", attempt);
-            tracing::debug!(attempt, "claimed; running the handler");
-            (token, attempt)
+            tracing::debug!(attempt, fence, "claimed; running the handler");
+            (token, attempt, fence)
         }
         Ok(Claim::Done) => return Ok(Outcome::Duplicate),
         Ok(Claim::Cached(bytes)) => {
@@ -522,7 +522,7 @@ where
         abandon.disarm();
         return Err(Error::Store { error, handler_ran: false, retry_after: later() });
     }
-    let current = Current { key: key.clone(), attempt, token };
+    let current = Current { key: key.clone(), attempt, token, fence };
     let started = meter.started(claimed_at);
     let run = {
         // The wrappers hold the body through a pinned reference rather than copy it;

@@ -149,7 +149,7 @@ pub async fn retryable_error_releases<S: Store + ?Sized>(store: &S) {
         .unwrap_err();
     assert!(matches!(err, Error::Retryable { attempt: 1, .. }), "{err:?}");
     assert!(err.is_retryable());
-    let Claim::Won { attempt, token } = claim_state(store, &key).await else {
+    let Claim::Won { attempt, token, .. } = claim_state(store, &key).await else {
         panic!("a released key must be claimable")
     };
     assert_eq!(attempt, 2, "the attempt count must survive a release");
@@ -365,7 +365,8 @@ pub async fn expired_lease_is_fenced<S: Store + ?Sized>(store: &S) {
     // The claim that takes over holds a lease long enough to outlast the stale
     // consumer's calls on a loaded machine.
     let held = Duration::from_secs(30);
-    let Claim::Won { token: fresh, attempt } = store.claim(&key, held, TTL, None).await.unwrap()
+    let Claim::Won { token: fresh, attempt, .. } =
+        store.claim(&key, held, TTL, None).await.unwrap()
     else {
         panic!("an expired lease must be claimable")
     };
@@ -383,6 +384,37 @@ pub async fn expired_lease_is_fenced<S: Store + ?Sized>(store: &S) {
     assert_eq!(store.complete(&key, fresh, TTL, None).await.unwrap(), Transition::Applied);
     assert_eq!(store.complete(&key, stale, TTL, None).await.unwrap(), Transition::LeaseLost);
     assert_eq!(claim_state(store, &key).await, Claim::Done);
+}
+
+/// A claim's fence is larger than that of every earlier claim of its key that won:
+/// after a release, a takeover of a lapsed lease and the record's expiry. A store
+/// that gives no fence gives none for any claim.
+pub async fn fences_grow_with_every_claim<S: Store + ?Sized>(store: &S) {
+    let key = fresh_key("fences");
+    let short = Duration::from_millis(300);
+    let won = |claim: Claim| match claim {
+        Claim::Won { token, fence, .. } => (token, fence),
+        other => panic!("not won: {other:?}"),
+    };
+    let (first, f1) = won(store.claim(&key, LEASE, TTL, None).await.unwrap());
+    assert_eq!(store.release(&key, first).await.unwrap(), Transition::Applied);
+    let (_, f2) = won(store.claim(&key, LEASE, TTL, None).await.unwrap());
+    tokio::time::sleep(LEASE + Duration::from_millis(200)).await;
+    let (taken, f3) = won(store.claim(&key, short, short, None).await.unwrap());
+    assert_eq!(store.complete(&key, taken, short, None).await.unwrap(), Transition::Applied);
+    tokio::time::sleep(short * 2).await;
+    let (_, f4) = won(store.claim(&key, LEASE, TTL, None).await.unwrap());
+    let fences = [f1, f2, f3, f4];
+    match fences {
+        [None, None, None, None] => {}
+        [Some(a), Some(b), Some(c), Some(d)] => {
+            assert!(
+                a < b && b < c && c < d,
+                "fences after a release, a takeover and an expiry: {fences:?}"
+            )
+        }
+        _ => panic!("some claims had a fence and some not: {fences:?}"),
+    }
 }
 
 /// A handler that stalls past its lease while renewals are impossible gets
@@ -567,7 +599,7 @@ pub async fn renewal_extends_retention<S: Store + ?Sized>(store: &S) {
     let key = fresh_key("renew-keep");
     // Kept claim_retention = 600 ms from the claim, unless renewals extend it.
     let (lease, ttl) = (Duration::from_millis(300), Duration::from_millis(300));
-    let Claim::Won { token, attempt: 1 } = store.claim(&key, lease, ttl, None).await.unwrap()
+    let Claim::Won { token, attempt: 1, .. } = store.claim(&key, lease, ttl, None).await.unwrap()
     else {
         panic!("a fresh key is won at attempt 1")
     };
@@ -1000,6 +1032,7 @@ macro_rules! __store_suite_cases {
             already_applied_is_done, panic_releases, dropped_future_releases, dead_consumer_claim_expires,
             unfinished_attempts_are_capped, store_unreachable_at_claim,
             store_fails_after_handler, ttl_expiry_forgets, expired_lease_is_fenced,
+            fences_grow_with_every_claim,
             late_completion_gets_lease_lost, lost_lease_stops_the_body,
             unpolled_call_is_stopped_when_resumed, unpolled_again_after_failed_renewals_is_stopped,
             lost_lease_failure_is_not_terminal, renewal_keeps_slow_handler,

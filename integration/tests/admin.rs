@@ -201,7 +201,7 @@ async fn check_release<S: Store + Admin>(store: &S, keys: &Keys) {
     assert_eq!(store.release_key(&keys.failed, false).await.unwrap(), Released::Released);
     assert_eq!(store.inspect(&keys.failed).await.unwrap(), None);
     match store.claim(&keys.failed, LEASE, TTL, None).await.unwrap() {
-        Claim::Won { attempt, token } => {
+        Claim::Won { attempt, token, .. } => {
             assert_eq!(attempt, 1, "attempts start again");
             let _ = store.complete(&keys.failed, token, TTL, None).await.unwrap();
         }

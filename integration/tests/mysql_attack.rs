@@ -234,7 +234,7 @@ async fn a_late_done_racing_a_takeover_has_one_owner() {
             tokio::join!(store.complete(&key, old, TTL, None), store.claim(&key, LEASE, TTL, None));
         match (done.unwrap(), taken.unwrap()) {
             (Transition::Applied, Claim::Done) => {}
-            (Transition::LeaseLost, Claim::Won { token, attempt: 2 }) => {
+            (Transition::LeaseLost, Claim::Won { token, attempt: 2, .. }) => {
                 assert_eq!(
                     store.renew(&key, old, LEASE, TTL).await.unwrap(),
                     Transition::LeaseLost

@@ -126,7 +126,7 @@ async fn a_claim_survives_a_server_crash() {
     store.migrate().await.unwrap();
     let key = Key::new("crash", "order:1").unwrap();
     let (lease, ttl) = (Duration::from_secs(60), Duration::from_secs(120));
-    let Claim::Won { token, attempt: 1 } = store.claim(&key, lease, ttl, None).await.unwrap()
+    let Claim::Won { token, attempt: 1, .. } = store.claim(&key, lease, ttl, None).await.unwrap()
     else {
         panic!("a fresh key is won")
     };

@@ -176,7 +176,7 @@ impl<S: Store + Admin> Replay<'_, S> {
                 match (expected, &real) {
                     (
                         Answer::Won { token, attempt },
-                        Claim::Won { token: real_token, attempt: a },
+                        Claim::Won { token: real_token, attempt: a, .. },
                     ) if attempt == *a => {
                         self.held[c][k as usize] = Some((token, *real_token));
                         self.granted[k as usize] = Some(sent);

@@ -122,7 +122,7 @@ fn awkward_keys_are_distinct_and_deduplicated() {
         let keys: Vec<Key> = ids.iter().map(|id| Key::new(&namespace, id).unwrap()).collect();
         let (lease, ttl) = (testing::LEASE, testing::TTL);
         for (i, key) in keys.iter().enumerate() {
-            let Claim::Won { token, attempt: 1 } =
+            let Claim::Won { token, attempt: 1, .. } =
                 store.claim(key, lease, ttl, None).await.unwrap()
             else {
                 panic!("key {i} ({key}) collided with an earlier one")
@@ -236,7 +236,7 @@ fn fresh_and_duplicate_claims_run_no_script() {
         let (lease, ttl) = (testing::LEASE, testing::TTL);
         let (done, failed) = (testing::fresh_key("one-set"), testing::fresh_key("one-set"));
         let (first, other) = (Fingerprint::of(&b"first"[..]), Fingerprint::of(&b"other"[..]));
-        let Claim::Won { token, attempt: 1 } =
+        let Claim::Won { token, attempt: 1, .. } =
             store.claim(&done, lease, ttl, Some(&first)).await.unwrap()
         else {
             panic!("a fresh key is won")
@@ -273,7 +273,7 @@ fn another_claims_lease_is_timed_by_the_server() {
         };
         let (lease, ttl) = (testing::LEASE, testing::TTL);
         let key = testing::fresh_key("takeover");
-        let Claim::Won { token: stale, attempt: 1 } =
+        let Claim::Won { token: stale, attempt: 1, .. } =
             store.claim(&key, lease, ttl, None).await.unwrap()
         else {
             panic!("a fresh key is won")
@@ -283,7 +283,8 @@ fn another_claims_lease_is_timed_by_the_server() {
             Claim::InProgress { .. }
         ));
         tokio::time::sleep(lease + std::time::Duration::from_millis(100)).await;
-        let Claim::Won { token, attempt: 2 } = store.claim(&key, lease, ttl, None).await.unwrap()
+        let Claim::Won { token, attempt: 2, .. } =
+            store.claim(&key, lease, ttl, None).await.unwrap()
         else {
             panic!("a lapsed lease is taken over")
         };
@@ -369,7 +370,7 @@ fn records_of_the_first_format_are_read() {
                 .unwrap();
             let answer = store.claim(&key, lease, ttl, Some(&other)).await.unwrap();
             assert_eq!(answer, Claim::Mismatch, "the fingerprint is kept: {record}");
-            let Claim::Won { token, attempt: won } =
+            let Claim::Won { token, attempt: won, .. } =
                 store.claim(&key, lease, ttl, Some(&first)).await.unwrap()
             else {
                 panic!("{record} is taken over")

@@ -32,7 +32,7 @@ fn trusting(ca_pem: &str) -> redis::TlsCertificates {
 async fn claim_complete_duplicate(store: &impl Store) {
     let key = testing::fresh_key("tls");
     let (lease, ttl) = (Duration::from_secs(30), Duration::from_secs(60));
-    let Claim::Won { token, attempt: 1 } = store.claim(&key, lease, ttl, None).await.unwrap()
+    let Claim::Won { token, attempt: 1, .. } = store.claim(&key, lease, ttl, None).await.unwrap()
     else {
         panic!("a fresh key is won")
     };

@@ -221,7 +221,10 @@ fn digest_credentials_make_records_private_to_their_identity() {
         // is a misconfiguration of every claim, retried, not a message's refusal.
         let (root_acls, _) = owner.get_acl("/private/orders").await.expect("the root's ACL");
         let read_only = [zk::Acl::new(zk::Permission::READ, root_acls[0].auth_id().clone())];
-        owner.set_acl("/private/orders", &read_only, None).await.expect("the owner narrows the ACL");
+        owner
+            .set_acl("/private/orders", &read_only, None)
+            .await
+            .expect("the owner narrows the ACL");
         let mut refused = 0;
         for i in 0..50 {
             let key = Key::new("acl", format!("after-{i}")).unwrap();

@@ -102,6 +102,10 @@ struct Shard {
     /// passes, and reusing the buffer spares the allocator a large free and
     /// allocation per second.
     spare: Vec<u64>,
+    /// How many claims of this shard's keys won: a claim's fence is this count,
+    /// times [`SHARDS`], plus the shard's index, so it grows with every claim of a
+    /// key (a key stays in its shard) and no two claims share one.
+    won: u64,
 }
 
 struct Entry {
@@ -340,7 +344,7 @@ impl MemoryStore {
                 let entry = Entry { hash, key: KeyCopy::new(key.as_bytes()), record };
                 shard.records.insert_unique(hash, entry, |e| e.hash);
                 shard.enqueue(check, hash);
-                return Some(Claim::Won { token, attempt: 1 });
+                return Some(Claim::Won { token, attempt: 1, fence: Some(shard.fence(hash)) });
             };
             let record = &mut entry.record;
             if record.expires_at <= now {
@@ -349,13 +353,18 @@ impl MemoryStore {
                 if let Some(earlier) = record.requeue() {
                     shard.enqueue(earlier, hash);
                 }
-                return Some(Claim::Won { token, attempt: 1 });
+                return Some(Claim::Won { token, attempt: 1, fence: Some(shard.fence(hash)) });
             }
             if let (Some(held), Some(given)) = (&record.fingerprint, fingerprint) {
                 if **held != *given {
                     return Some(Claim::Mismatch);
                 }
             }
+            let won = |shard: &mut Shard, attempt| Claim::Won {
+                token,
+                attempt,
+                fence: Some(shard.fence(hash)),
+            };
             Some(match &record.state {
                 State::Done(None) => Claim::Done,
                 State::Done(Some(result)) => Claim::Cached(result.to_vec()),
@@ -370,7 +379,8 @@ impl MemoryStore {
                     if record.fingerprint.is_none() {
                         record.fingerprint = fingerprint.map(|f| Box::new(*f));
                     }
-                    Claim::Won { token, attempt: record.attempts }
+                    let attempt = record.attempts;
+                    won(shard, attempt)
                 }
             })
         })
@@ -378,6 +388,12 @@ impl MemoryStore {
 }
 
 impl Shard {
+    /// The fence of a claim of a key of this shard (its hash `hash`) that won.
+    fn fence(&mut self, hash: u64) -> u64 {
+        self.won += 1;
+        self.won * SHARDS as u64 + (hash >> 32) % SHARDS as u64
+    }
+
     fn find(&mut self, hash: u64, key: &Key) -> Option<&mut Entry> {
         self.records.find_mut(hash, |e| e.hash == hash && e.key.as_bytes() == key.as_bytes())
     }
@@ -676,7 +692,7 @@ mod tests {
 
     fn won(claim: Claim) -> (Token, u32) {
         match claim {
-            Claim::Won { token, attempt } => (token, attempt),
+            Claim::Won { token, attempt, .. } => (token, attempt),
             other => panic!("expected a won claim, got {other:?}"),
         }
     }
@@ -1047,7 +1063,7 @@ mod tests {
                                     }
                                 };
                                 match (expected, got.unwrap()) {
-                                    (None, Claim::Won { token, attempt }) => {
+                                    (None, Claim::Won { token, attempt, .. }) => {
                                         prop_assert_eq!(attempt, model[&k].attempts);
                                         if let Some(old) = tokens.insert(k, token) {
                                             old_tokens.entry(k).or_default().push(old);

@@ -96,6 +96,12 @@ pub enum Claim {
         token: Token,
         /// Which attempt this is, from 1.
         attempt: u32,
+        /// A fencing number: larger than that of every earlier claim of the key that
+        /// won, whatever came between (a release, an expiry, a takeover, a record
+        /// deleted by force or evicted), so a downstream system that keeps the
+        /// largest it saw can refuse a write of a claim that was taken over. `None`
+        /// where the store can't make one (see each store's docs).
+        fence: Option<u64>,
     },
     /// The key is DONE and within its dedupe window.
     Done,

@@ -290,11 +290,11 @@ impl MysqlStore {
                     let n = done.rows_affected();
                     return Err(StoreError::Protocol(format!("claim inserted {n} rows")));
                 }
-                return Ok(Claim::Won { token, attempt: 1 });
+                return Ok(Claim::Won { token, attempt: 1, fence: None });
             }
             let attempts = (verdict & 0xffff_ffff) as u32;
             return match verdict >> VERDICT_SHIFT {
-                WON => Ok(Claim::Won { token, attempt: attempts }),
+                WON => Ok(Claim::Won { token, attempt: attempts, fence: None }),
                 DONE if verdict & CACHED != 0 => match self.cached_result(conn, &values).await? {
                     Some(result) => Ok(result),
                     // Gone or taken over since: ask again.

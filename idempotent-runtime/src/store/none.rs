@@ -53,7 +53,7 @@ impl Store for NoStore {
         _: Option<&Fingerprint>,
     ) -> Result<Claim, StoreError> {
         let attempt = crate::delivery::delivery_count().unwrap_or(1).max(1);
-        Ok(Claim::Won { token: Token::random(), attempt })
+        Ok(Claim::Won { token: Token::random(), attempt, fence: None })
     }
 
     async fn complete(

@@ -258,8 +258,9 @@ CREATE INDEX IF NOT EXISTS {index}_expires_at ON {t} (expires_at);"
                 }
                 Err(e) => return Err(sql::store_error(e)),
             };
-            let Some((outcome, attempts, result, lease_left)) = row else { continue };
-            return claim_answer(&outcome, attempts, result, lease_left, token);
+            let Some((outcome, attempts, result, lease_left, fence)) = row else { continue };
+            let fence = fence.and_then(|xid| u64::try_from(xid).ok());
+            return claim_answer(&outcome, attempts, result, lease_left, token, fence);
         }
         Err(StoreError::Protocol("claim saw no record after 10 tries".to_owned()))
     }
@@ -291,7 +292,7 @@ CREATE INDEX IF NOT EXISTS {index}_expires_at ON {t} (expires_at);"
                     .await
                     .map_err(sql::store_error)?;
             let Some((Some(outcome), attempts, result)) = row else { continue };
-            return claim_answer(&outcome, attempts, result, None, Token::random());
+            return claim_answer(&outcome, attempts, result, None, Token::random(), None);
         }
         Err(StoreError::Protocol("claim saw no record after 10 tries".to_owned()))
     }
@@ -370,17 +371,18 @@ fn statement(sql: String) -> SqlStr {
 
 /// The claim a claim statement's row answers: its outcome letter, the attempts, any
 /// cached result and the lease left in ms (for `P`, when the statement could tell);
-/// `token` is the claim's, if it won.
+/// `token` and `fence` are the claim's, if it won.
 fn claim_answer(
     outcome: &str,
     attempts: i32,
     result: Option<Vec<u8>>,
     lease_left: Option<i64>,
     token: Token,
+    fence: Option<u64>,
 ) -> Result<Claim, StoreError> {
     let attempts = u32::try_from(attempts).unwrap_or(0);
     match outcome {
-        "W" => Ok(Claim::Won { token, attempt: attempts }),
+        "W" => Ok(Claim::Won { token, attempt: attempts, fence }),
         "D" => Ok(result.map_or(Claim::Done, Claim::Cached)),
         "F" => Ok(Claim::Failed { attempts }),
         "P" => Ok(Claim::InProgress {
@@ -396,7 +398,7 @@ fn claim_answer(
     }
 }
 
-type ClaimRow = (String, i32, Option<Vec<u8>>, Option<i64>);
+type ClaimRow = (String, i32, Option<Vec<u8>>, Option<i64>, Option<i64>);
 
 /// How long one of the store's statements waits for a row lock before giving up. A
 /// record row stays locked while a handler's transaction commits its DONE update; if
@@ -500,9 +502,9 @@ fn claim_sql(t: &str, commit: ClaimCommit) -> String {
                            ELSE COALESCE(r.fingerprint, EXCLUDED.fingerprint) END,
         result = NULL
     WHERE {TAKES_OVER}
-    RETURNING 'W'::text AS outcome, r.attempts, NULL::bytea AS result
+    RETURNING 'W'::text AS outcome, r.attempts, NULL::bytea AS result, txid_current() AS fence
 )
-SELECT outcome, attempts, result, NULL::bigint FROM claimed
+SELECT outcome, attempts, result, NULL::bigint, fence FROM claimed
 UNION ALL
 SELECT CASE WHEN r.state NOT IN ('P', 'R', 'D', 'F') THEN 'U' || r.state::int4::text
             WHEN r.fingerprint IS NOT NULL AND $5::bytea IS NOT NULL
@@ -511,7 +513,8 @@ SELECT CASE WHEN r.state NOT IN ('P', 'R', 'D', 'F') THEN 'U' || r.state::int4::
             WHEN r.state = 'F' THEN 'F'
             ELSE 'P' END,
        r.attempts, r.result,
-       GREATEST(0, ceil(extract(epoch FROM r.lease_until - clock_timestamp()) * 1000))::bigint
+       GREATEST(0, ceil(extract(epoch FROM r.lease_until - clock_timestamp()) * 1000))::bigint,
+       NULL::bigint
 FROM {t} r
 WHERE r.key = $1 AND r.expires_at > clock_timestamp() AND NOT EXISTS (SELECT 1 FROM claimed)"
     )
@@ -840,7 +843,7 @@ pub mod fuzzing {
         lease_left: Option<i64>,
         token: Token,
     ) -> Result<Claim, StoreError> {
-        claim_answer(outcome, attempts, result, lease_left, token)
+        claim_answer(outcome, attempts, result, lease_left, token, None)
     }
 
     /// An admin row: key, state letter, attempts, lease ms, ttl ms, fingerprint,

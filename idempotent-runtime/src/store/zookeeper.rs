@@ -234,15 +234,12 @@ impl ZooKeeperStore {
         if let Some(digest) = &self.inner.digest {
             connector = connector.with_auth("digest", digest.as_bytes());
         }
-        let client = connector
-            .connect(&self.inner.hosts)
-            .await
-            .map_err(|e| {
-                StoreError::unavailable(format!(
-                    "ZooKeeper at {}: {e}",
-                    without_credentials(&self.inner.hosts)
-                ))
-            })?;
+        let client = connector.connect(&self.inner.hosts).await.map_err(|e| {
+            StoreError::unavailable(format!(
+                "ZooKeeper at {}: {e}",
+                without_credentials(&self.inner.hosts)
+            ))
+        })?;
         make_path(&client, &self.inner.root, self.inner.acls)
             .await
             .map_err(|e| self.refused("create", e))?;
@@ -389,12 +386,14 @@ impl ZooKeeperStore {
                 // No record, or an expired one: take the key afresh.
                 let fresh = Record::claimed(token, lease, keep, 1, mine.clone());
                 match self.take(client, &path, None, &fresh).await {
-                    Ok(()) => return Ok(Claim::Won { token, attempt: 1 }),
+                    Ok(fence) => return Ok(Claim::Won { token, attempt: 1, fence: Some(fence) }),
                     Err(Taken::Raced) => continue,
-                    Err(Taken::NoBucket) => match client.create(&bucket, b"", &container(self.inner.acls)).await {
-                        Ok(_) | Err(zk::Error::NodeExists) => continue,
-                        Err(e) => return Err(zk_error(e)),
-                    },
+                    Err(Taken::NoBucket) => {
+                        match client.create(&bucket, b"", &container(self.inner.acls)).await {
+                            Ok(_) | Err(zk::Error::NodeExists) => continue,
+                            Err(e) => return Err(zk_error(e)),
+                        }
+                    }
                     Err(Taken::Failed(e)) => return Err(e),
                 }
             };
@@ -402,14 +401,19 @@ impl ZooKeeperStore {
             if expired {
                 let fresh = Record::claimed(token, lease, keep, 1, mine.clone());
                 match self.take(client, &path, Some((&stat, &record)), &fresh).await {
-                    Ok(()) => return Ok(Claim::Won { token, attempt: 1 }),
+                    Ok(fence) => return Ok(Claim::Won { token, attempt: 1, fence: Some(fence) }),
                     Err(Taken::Raced | Taken::NoBucket) => continue,
                     Err(Taken::Failed(e)) => return Err(e),
                 }
             }
             if record.state == b'P' && record.token == Some(token) {
-                // This claim's own write, whose answer was lost and is sent again.
-                return Ok(Claim::Won { token, attempt: record.attempts });
+                // This claim's own write, whose answer was lost and is sent again: its
+                // fence is that write's zxid (nothing else wrote the znode since).
+                return Ok(Claim::Won {
+                    token,
+                    attempt: record.attempts,
+                    fence: Some(zxid(stat.mzxid)),
+                });
             }
             if let (Some(held), Some(given)) = (&record.fingerprint, &mine) {
                 if held != given {
@@ -433,7 +437,7 @@ impl ZooKeeperStore {
             let fingerprint = record.fingerprint.clone().or(mine.clone());
             let taken = Record::claimed(token, lease, keep, attempt, fingerprint);
             match self.take(client, &path, Some((&stat, &record)), &taken).await {
-                Ok(()) => return Ok(Claim::Won { token, attempt }),
+                Ok(fence) => return Ok(Claim::Won { token, attempt, fence: Some(fence) }),
                 Err(Taken::Raced | Taken::NoBucket) => continue,
                 Err(Taken::Failed(e)) => return Err(e),
             }
@@ -450,13 +454,17 @@ impl ZooKeeperStore {
     /// znode deleted and created again since (back at version 0) does not pass for
     /// the one that was read: its child has another name, and a znode with a child
     /// can't be deleted.
+    ///
+    /// Answers the transaction's zxid, the claim's fence: ZooKeeper orders every
+    /// write of the ensemble by zxid (a new leader's epoch is its high half), and a
+    /// later claim of the key is a later write.
     async fn take(
         &self,
         client: &zk::Client,
         path: &str,
         seen: Option<(&zk::Stat, &Record)>,
         record: &Record,
-    ) -> Result<(), Taken> {
+    ) -> Result<u64, Taken> {
         let data = record.encode();
         let acls = self.inner.acls;
         let mut writer = client.new_multi_writer();
@@ -480,7 +488,19 @@ impl ZooKeeperStore {
         match writer.commit().await {
             Ok(results) => {
                 self.observe_results(&results);
-                Ok(())
+                let written = results.iter().find_map(|result| match result {
+                    zk::MultiWriteResult::Create { stat, .. }
+                    | zk::MultiWriteResult::SetData { stat }
+                        if !stat.is_invalid() =>
+                    {
+                        Some(zxid(stat.mzxid))
+                    }
+                    _ => None,
+                });
+                // Every claim's transaction creates the claim's child.
+                written.ok_or_else(|| {
+                    Taken::Failed(StoreError::Protocol("a claim's write gave no zxid".into()))
+                })
             }
             Err(zk::MultiWriteError::OperationFailed { source, index }) => match source {
                 zk::Error::NodeExists | zk::Error::BadVersion | zk::Error::NotEmpty => {
@@ -748,6 +768,11 @@ impl Record {
         let result = fields.next()?.to_vec();
         Some(Record { state, token, lease, keep, attempts, fingerprint, result })
     }
+}
+
+/// A zxid as a fence (zxids are never negative).
+fn zxid(zxid: i64) -> u64 {
+    u64::try_from(zxid).unwrap_or(0)
 }
 
 /// Stages writing `data`, a record kept `keep` ms, over the znode read as `stat`: a

@@ -705,7 +705,7 @@ impl RedisStore {
                 .arg("GET");
             let reply: Result<Option<Vec<u8>>, RedisError> = self.query(&set).await;
             match reply {
-                Ok(None) => return Ok(Claim::Won { token: claim.token, attempt: 1 }),
+                Ok(None) => return Ok(Claim::Won { token: claim.token, attempt: 1, fence: None }),
                 Ok(Some(record)) => {
                     if let Some(answer) = claim.settle(&record) {
                         return Ok(answer);
@@ -731,7 +731,7 @@ impl RedisStore {
         let state: String = redis::from_redis_value(field(0)).map_err(parse_error)?;
         let attempts: u32 = redis::from_redis_value(field(1)).map_err(parse_error)?;
         match state.as_str() {
-            "W" => Ok(Claim::Won { token: claim.token, attempt: attempts }),
+            "W" => Ok(Claim::Won { token: claim.token, attempt: attempts, fence: None }),
             "D" => {
                 let result: Vec<u8> = redis::from_redis_value(field(2)).map_err(parse_error)?;
                 Ok(if result.is_empty() { Claim::Done } else { Claim::Cached(result) })
@@ -951,7 +951,7 @@ impl Claiming {
         }
         let attempts: u32 = std::str::from_utf8(attempts).ok()?.parse().ok()?;
         if state == b'P' && token == self.token_text.as_bytes() {
-            return Some(Claim::Won { token: self.token, attempt: attempts });
+            return Some(Claim::Won { token: self.token, attempt: attempts, fence: None });
         }
         let mine = self.fingerprint.as_bytes();
         if fingerprint != b"-" && mine != b"-" && fingerprint != mine {
@@ -1431,7 +1431,7 @@ mod tests {
         assert_eq!(settle(format!("F{OTHER} 60000 3 - ")), Some(Claim::Failed { attempts: 3 }));
         assert_eq!(
             settle(format!("P{TOKEN} 60000 4 - ")),
-            Some(Claim::Won { token: claim.token, attempt: 4 })
+            Some(Claim::Won { token: claim.token, attempt: 4, fence: None })
         );
     }
 
