@@ -123,6 +123,73 @@ impl Drop for RedisServer {
     }
 }
 
+/// Three Redis Sentinels of the test's own on loopback, monitoring a master as
+/// [`SENTINEL_SERVICE`] with quorum 2, declaring it down after 1 s of silence.
+pub struct RedisSentinels {
+    pub nodes: Vec<RedisServer>,
+}
+
+/// The name the Sentinels monitor the master under.
+pub const SENTINEL_SERVICE: &str = "orders";
+
+impl RedisSentinels {
+    /// Starts them on `master_port`; `password` is the master's and its replicas'
+    /// `requirepass`, if any.
+    pub fn start(master_port: u16, password: Option<&str>) -> RedisSentinels {
+        let nodes = (0..3)
+            .map(|_| {
+                let port = free_port();
+                let dir = temp_dir(&format!("sentinel-{port}"));
+                let mut conf = format!(
+                    "port {port}\nbind 127.0.0.1\ndir {dir}\n\
+                     sentinel monitor {SENTINEL_SERVICE} 127.0.0.1 {master_port} 2\n\
+                     sentinel down-after-milliseconds {SENTINEL_SERVICE} 1000\n\
+                     sentinel failover-timeout {SENTINEL_SERVICE} 10000\n",
+                    dir = dir.display()
+                );
+                if let Some(password) = password {
+                    conf += &format!("sentinel auth-pass {SENTINEL_SERVICE} {password}\n");
+                }
+                let file = dir.join("sentinel.conf");
+                std::fs::write(&file, conf).expect("write sentinel.conf");
+                let args = vec![file.display().to_string(), "--sentinel".to_owned()];
+                let mut sentinel = RedisServer { port, dir, args, child: None };
+                sentinel.restart();
+                sentinel
+            })
+            .collect();
+        let sentinels = RedisSentinels { nodes };
+        // Each has found the others and the replicas before the test goes on.
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            let ready = sentinels.nodes.iter().all(|node| {
+                let info = node.cli(&["SENTINEL", "MASTER", SENTINEL_SERVICE]);
+                let field = |name: &str| {
+                    let mut lines = info.lines();
+                    lines.find(|line| *line == name).and(lines.next()).map(str::to_owned)
+                };
+                field("num-other-sentinels").as_deref() == Some("2")
+                    && field("num-slaves").is_some_and(|n| n != "0")
+            });
+            if ready {
+                return sentinels;
+            }
+            assert!(Instant::now() < deadline, "the Sentinels never found each other");
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+
+    pub fn urls(&self) -> Vec<String> {
+        self.nodes.iter().map(RedisServer::url).collect()
+    }
+
+    /// The port of the master the first Sentinel names now.
+    pub fn master_port(&self) -> u16 {
+        let reply = self.nodes[0].cli(&["SENTINEL", "GET-MASTER-ADDR-BY-NAME", SENTINEL_SERVICE]);
+        reply.lines().nth(1).and_then(|port| port.trim().parse().ok()).expect("a master")
+    }
+}
+
 /// A 3-master Redis Cluster of this test's own.
 pub struct RedisCluster {
     pub nodes: Vec<RedisServer>,
@@ -179,7 +246,8 @@ fn cli(port: u16, args: &[&str]) -> String {
 
 fn wait_for_ping(port: u16) {
     let deadline = Instant::now() + Duration::from_secs(10);
-    while !cli(port, &["ping"]).contains("PONG") {
+    // A server that asks for a password answers NOAUTH: it is up too.
+    while !["PONG", "NOAUTH"].iter().any(|up| cli(port, &["ping"]).contains(up)) {
         assert!(Instant::now() < deadline, "redis-server on {port} did not start");
         std::thread::sleep(Duration::from_millis(20));
     }

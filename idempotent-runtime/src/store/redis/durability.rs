@@ -82,7 +82,7 @@ impl RedisStore {
         let Some(durability) = &self.durability else { return Ok(()) };
         let wait = durability.command();
         let reply: Value = match &self.connection {
-            Connection::Standalone(c) => wait.query_async(&mut c.manager()).await,
+            Connection::Standalone(c) => c.query(&wait).await,
             Connection::Cluster(c) => {
                 use redis::cluster_routing::{
                     Route, RoutingInfo, SingleNodeRoutingInfo, Slot, SlotAddr,

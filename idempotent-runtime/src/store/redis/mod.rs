@@ -9,6 +9,7 @@ use std::time::{Duration, Instant};
 use async_trait::async_trait;
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use redis::cluster_async::ClusterConnection;
+use redis::sentinel::{SentinelClient, SentinelNodeConnectionInfo, SentinelServerType};
 use redis::{Cmd, IntoConnectionInfo, RedisError, Script};
 
 use super::{admin, format};
@@ -258,7 +259,12 @@ struct Standalone {
 }
 
 struct Reopen {
-    client: redis::Client,
+    target: Target,
+    /// Through Sentinel: the connection was lost since it was opened, so the server
+    /// its manager reconnects to may no longer be the master (an old master restarted
+    /// empty, before the Sentinels demote it). No call goes through it until the
+    /// Sentinels have named the master again.
+    in_doubt: AtomicBool,
     config: ConnectionManagerConfig,
     /// When a new connection was last asked for: at most one a second.
     last: Mutex<Option<Instant>>,
@@ -267,13 +273,88 @@ struct Reopen {
     latest: std::sync::atomic::AtomicU64,
 }
 
+/// Where a new connection goes.
+enum Target {
+    /// The address the store was given.
+    Address(redis::Client),
+    /// The master the Sentinels name now, once it answers `ROLE` as a master.
+    Sentinel(tokio::sync::Mutex<SentinelClient>),
+}
+
+impl Target {
+    async fn client(&self) -> Result<redis::Client, RedisError> {
+        match self {
+            Target::Address(client) => Ok(client.clone()),
+            Target::Sentinel(sentinel) => sentinel.lock().await.async_get_client().await,
+        }
+    }
+
+    fn follows_sentinel(&self) -> bool {
+        matches!(self, Target::Sentinel(_))
+    }
+}
+
+impl Reopen {
+    async fn open(&self) -> Result<ConnectionManager, RedisError> {
+        let client = self.target.client().await?;
+        ConnectionManager::new_with_config(client, self.config.clone()).await
+    }
+}
+
 impl Standalone {
     fn manager(&self) -> ConnectionManager {
         self.manager.read().unwrap_or_else(|e| e.into_inner()).clone()
     }
 
-    /// Opens a new connection in the background, after a `READONLY` answer.
-    fn reopen(&self) {
+    /// The connection for one call: refused, through Sentinel, while the master is
+    /// in doubt (a new connection to the one the Sentinels name is on its way).
+    fn connection(&self) -> Result<ConnectionManager, RedisError> {
+        if self.reopen.as_ref().is_some_and(|reopen| reopen.in_doubt.load(Ordering::SeqCst)) {
+            self.reopen("the connection to the master was lost");
+            return Err(RedisError::from(std::io::Error::new(
+                std::io::ErrorKind::NotConnected,
+                "the connection to the Redis master was lost; the store is asking the Sentinels which server is the master now",
+            )));
+        }
+        Ok(self.manager())
+    }
+
+    /// Notes what a call's `result` says about the connection.
+    fn observed<T>(&self, result: Result<T, RedisError>) -> Result<T, RedisError> {
+        if let (Err(error), Some(reopen)) = (&result, &self.reopen) {
+            if reopen.target.follows_sentinel() && lost(error) {
+                reopen.in_doubt.store(true, Ordering::SeqCst);
+            }
+        }
+        result
+    }
+
+    async fn query<T: redis::FromRedisValue>(&self, cmd: &Cmd) -> Result<T, RedisError> {
+        let result = cmd.query_async(&mut self.connection()?).await;
+        self.observed(result)
+    }
+
+    async fn invoke<T: redis::FromRedisValue>(
+        &self,
+        invocation: &redis::ScriptInvocation<'_>,
+    ) -> Result<T, RedisError> {
+        let result = invocation.invoke_async(&mut self.connection()?).await;
+        self.observed(result)
+    }
+
+    /// What `error` calls for: a new connection after a `READONLY` answer (the server
+    /// was demoted), and, through Sentinel, after a lost connection too (the master
+    /// may be gone, and the connection manager would only ever retry its address).
+    fn after(&self, error: &RedisError, denial: Option<Denied>) {
+        let Some(reopen) = &self.reopen else { return };
+        let lost = lost(error);
+        if denial == Some(Denied::ReadOnly) || (lost && reopen.target.follows_sentinel()) {
+            self.reopen(if lost { "the connection to the master was lost" } else { "READONLY" });
+        }
+    }
+
+    /// Opens a new connection in the background.
+    fn reopen(&self, why: &'static str) {
         let Some(reopen) = self.reopen.clone() else { return };
         let Ok(runtime) = tokio::runtime::Handle::try_current() else { return };
         {
@@ -286,22 +367,33 @@ impl Standalone {
         let manager = self.manager.clone();
         let request = reopen.latest.fetch_add(1, Ordering::SeqCst) + 1;
         runtime.spawn(async move {
-            match ConnectionManager::new_with_config(reopen.client.clone(), reopen.config.clone())
-                .await
-            {
+            match reopen.open().await {
                 Ok(_) if reopen.latest.load(Ordering::SeqCst) != request => {}
                 Ok(fresh) => {
                     *manager.write().unwrap_or_else(|e| e.into_inner()) = fresh;
-                    tracing::warn!(
-                        "the Redis server answered READONLY (it was demoted to a replica): the store opened a new connection to its address"
-                    );
+                    reopen.in_doubt.store(false, Ordering::SeqCst);
+                    if reopen.target.follows_sentinel() {
+                        tracing::warn!(reason = why, "the store connected to the master the Sentinels name");
+                    } else {
+                        tracing::warn!(
+                            "the Redis server answered READONLY (it was demoted to a replica): the store opened a new connection to its address"
+                        );
+                    }
                 }
                 Err(error) => {
-                    tracing::warn!(%error, "reconnecting after a READONLY answer failed; the next one tries again");
+                    tracing::warn!(%error, reason = why, "opening a new Redis connection failed; the next failed call tries again");
                 }
             }
         });
     }
+}
+
+/// Whether `error` says the connection to the server was lost.
+fn lost(error: &RedisError) -> bool {
+    error.is_io_error()
+        || error.is_connection_refusal()
+        || error.is_connection_dropped()
+        || error.is_timeout()
 }
 
 /// How a [`RedisStore`] connects, and what it accepts of its server beyond the
@@ -315,13 +407,29 @@ impl Standalone {
 /// # Ok(())
 /// # }
 /// ```
-#[derive(Debug, Clone)]
+#[derive(Clone)]
 pub struct RedisOptions {
     tolerance: check::Tolerance,
     durability: Option<durability::Durability>,
     prefix: String,
     response_timeout: Duration,
     connection_timeout: Duration,
+    master_credentials: Option<(String, String)>,
+}
+
+impl std::fmt::Debug for RedisOptions {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // Never the master's password: options end up in logs.
+        let master_user = self.master_credentials.as_ref().map(|(user, _)| user.as_str());
+        f.debug_struct("RedisOptions")
+            .field("tolerance", &self.tolerance)
+            .field("durability", &self.durability)
+            .field("prefix", &self.prefix)
+            .field("response_timeout", &self.response_timeout)
+            .field("connection_timeout", &self.connection_timeout)
+            .field("master_user", &master_user)
+            .finish()
+    }
 }
 
 impl Default for RedisOptions {
@@ -332,6 +440,7 @@ impl Default for RedisOptions {
             prefix: DEFAULT_PREFIX.to_owned(),
             response_timeout: DEFAULT_RESPONSE_TIMEOUT,
             connection_timeout: DEFAULT_CONNECTION_TIMEOUT,
+            master_credentials: None,
         }
     }
 }
@@ -390,6 +499,18 @@ impl RedisOptions {
         self
     }
 
+    /// The user and password the store logs in with on the master it finds through
+    /// [`sentinel`](RedisOptions::sentinel) (`"default"` for the default user); the
+    /// Sentinels' own credentials go in their URLs.
+    pub fn master_credentials(
+        mut self,
+        username: impl Into<String>,
+        password: impl Into<String>,
+    ) -> Self {
+        self.master_credentials = Some((username.into(), password.into()));
+        self
+    }
+
     /// How long connecting may take ([`DEFAULT_CONNECTION_TIMEOUT`]).
     pub fn connection_timeout(mut self, timeout: Duration) -> Self {
         self.connection_timeout = timeout;
@@ -425,13 +546,81 @@ impl RedisOptions {
     }
 
     async fn connect_client(self, client: redis::Client) -> Result<RedisStore, StoreError> {
+        self.connect_target(Target::Address(client)).await
+    }
+
+    /// Connects through Redis Sentinel to the master it names `service_name`, and
+    /// [checks](RedisStore::check) it. `sentinels` are the Sentinels' URLs
+    /// (`redis://[user:password@]host:26379`, with the Sentinels' own credentials);
+    /// the master's come from [`master_credentials`](RedisOptions::master_credentials).
+    ///
+    /// The store follows failovers: when the connection to the master is lost, or
+    /// the server answers `READONLY` (a master demoted), it asks the Sentinels again
+    /// (at most once a second) and connects to the master they name once that server
+    /// answers `ROLE` as a master. Meanwhile calls fail with a store error, so no
+    /// handler runs and the consumer retries. A failover to an asynchronous replica
+    /// still loses the records it had not received: pair Sentinel with
+    /// [`wait_for_replicas`](RedisOptions::wait_for_replicas) (measured in the README,
+    /// "Running Redis for idempotency").
+    ///
+    /// ```no_run
+    /// # async fn run() -> Result<(), idempotent_runtime::StoreError> {
+    /// use std::time::Duration;
+    /// use idempotent_runtime::redis_store::RedisStore;
+    ///
+    /// let sentinels = ["redis://sentinel-1:26379", "redis://sentinel-2:26379", "redis://sentinel-3:26379"];
+    /// let store = RedisStore::options()
+    ///     .master_credentials("orders", "secret")
+    ///     .wait_for_replicas(1, Duration::from_millis(500))
+    ///     .sentinel(sentinels, "orders-master")
+    ///     .await?;
+    /// # Ok(())
+    /// # }
+    /// ```
+    pub async fn sentinel<I>(
+        self,
+        sentinels: I,
+        service_name: impl Into<String>,
+    ) -> Result<RedisStore, StoreError>
+    where
+        I: IntoIterator,
+        I::Item: IntoConnectionInfo,
+    {
+        #[cfg(feature = "redis-tls")]
+        ensure_crypto_provider();
+        let sentinels = sentinels.into_iter().collect::<Vec<_>>();
+        if sentinels.is_empty() {
+            return Err(StoreError::Misconfigured(
+                "no Sentinel address was given: pass the URLs of the Sentinels that monitor the master".to_owned(),
+            ));
+        }
+        let mut master = redis::RedisConnectionInfo::default();
+        if let Some((username, password)) = &self.master_credentials {
+            master = master.set_username(username).set_password(password);
+        }
+        let node = SentinelNodeConnectionInfo::default().set_redis_connection_info(master);
+        let client = SentinelClient::build(
+            sentinels,
+            service_name.into(),
+            Some(node),
+            SentinelServerType::Master,
+        )
+        .map_err(unavailable)?;
+        self.connect_target(Target::Sentinel(tokio::sync::Mutex::new(client))).await
+    }
+
+    async fn connect_target(self, target: Target) -> Result<RedisStore, StoreError> {
         let config = ConnectionManagerConfig::new()
             .set_response_timeout(Some(self.response_timeout))
             .set_connection_timeout(Some(self.connection_timeout));
-        let manager = ConnectionManager::new_with_config(client.clone(), config.clone())
-            .await
-            .map_err(unavailable)?;
-        let reopen = Reopen { client, config, last: Mutex::new(None), latest: Default::default() };
+        let reopen = Reopen {
+            target,
+            in_doubt: AtomicBool::new(false),
+            config,
+            last: Mutex::new(None),
+            latest: Default::default(),
+        };
+        let manager = reopen.open().await.map_err(unavailable)?;
         let connection = Connection::Standalone(Standalone {
             manager: Arc::new(RwLock::new(manager)),
             reopen: Some(Arc::new(reopen)),
@@ -590,7 +779,7 @@ impl RedisStore {
     /// Runs `cmd` (standalone, or routed by its key on a Cluster).
     async fn query<T: redis::FromRedisValue>(&self, cmd: &Cmd) -> Result<T, RedisError> {
         match &self.connection {
-            Connection::Standalone(c) => cmd.query_async(&mut c.manager()).await,
+            Connection::Standalone(c) => c.query(cmd).await,
             Connection::Cluster(c) => cmd.query_async(&mut c.clone()).await,
         }
     }
@@ -622,10 +811,8 @@ impl RedisStore {
     /// is refused too, so no handler runs).
     fn failed(&self, error: RedisError) -> StoreError {
         let denial = denied(&error);
-        if let (Some(Denied::ReadOnly), Connection::Standalone(standalone)) =
-            (denial, &self.connection)
-        {
-            standalone.reopen();
+        if let Connection::Standalone(standalone) = &self.connection {
+            standalone.after(&error, denial);
         }
         let error = unavailable(error);
         if let (Some(Denied::Command), StoreError::Misconfigured(reason)) = (denial, &error) {
@@ -686,7 +873,7 @@ impl RedisStore {
             invocation.arg(*arg);
         }
         let reply = match &self.connection {
-            Connection::Standalone(c) => invocation.invoke_async(&mut c.manager()).await,
+            Connection::Standalone(c) => c.invoke(&invocation).await,
             Connection::Cluster(c) => invocation.invoke_async(&mut c.clone()).await,
         };
         reply.map_err(|error| self.failed(error))

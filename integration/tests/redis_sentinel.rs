@@ -1,0 +1,272 @@
+//! `RedisStore` through Redis Sentinel: a master, a replica and three Sentinels of the
+//! test's own on loopback; the master's process is SIGKILLed while messages are being
+//! handled, the Sentinels promote the replica, and the same store follows. Judged from
+//! outside the store: the handlers' runs counted per order, and the records read back
+//! from the promoted master with `redis-cli`.
+
+mod support;
+
+use std::collections::HashSet;
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use idempotent::testing::block_on;
+use idempotent::{Error, Outcome, RedisStore, idempotent};
+use support::{RedisSentinels, RedisServer, SENTINEL_SERVICE};
+
+const PASSWORD: &str = "sentinel-test-secret";
+
+struct Order {
+    order_id: u64,
+}
+
+#[derive(Debug, thiserror::Error, idempotent::Classify)]
+#[error("never")]
+#[idempotent(retryable)]
+struct Never;
+
+/// Counts each order's runs in `runs` (indexed by order id). A short lease, so a claim
+/// whose DONE was lost with the master lapses within the test.
+#[idempotent(key = "order:{order_id}", store = store, lease = 2)]
+async fn counted(msg: Order, store: &RedisStore, runs: &[AtomicU32]) -> Result<(), Never> {
+    runs[msg.order_id as usize].fetch_add(1, Ordering::SeqCst);
+    Ok(())
+}
+
+/// A master and `replicas` replicas of it, all asking for `PASSWORD`, synced.
+fn master_and_replicas(replicas: usize) -> (RedisServer, Vec<RedisServer>) {
+    let auth = ["--requirepass", PASSWORD, "--masterauth", PASSWORD];
+    let mut args = vec!["--save", "", "--appendonly", "no"];
+    args.extend(auth);
+    let master = RedisServer::start_with(&args);
+    let port = master.port.to_string();
+    args.extend(["--replicaof", "127.0.0.1", &port]);
+    let replicas: Vec<_> = (0..replicas).map(|_| RedisServer::start_with(&args)).collect();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    for replica in &replicas {
+        while !authed(replica, &["INFO", "replication"]).contains("master_link_status:up") {
+            assert!(Instant::now() < deadline, "the replica never synced");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+    (master, replicas)
+}
+
+fn authed(server: &RedisServer, args: &[&str]) -> String {
+    let mut all = vec!["--no-auth-warning", "-a", PASSWORD];
+    all.extend_from_slice(args);
+    server.cli(&all)
+}
+
+/// Delivers `order_id` until the store answers (as a broker redelivers a message its
+/// consumer did not ack), for up to a minute. Returns whether an attempt ran the
+/// handler but could not record DONE (the master died under it).
+async fn deliver(order_id: u64, store: &RedisStore, runs: &[AtomicU32]) -> bool {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let mut done_lost = false;
+    loop {
+        match counted(Order { order_id }, store, runs).await {
+            Ok(Outcome::Processed(()) | Outcome::Duplicate) => return done_lost,
+            Ok(Outcome::InProgress { .. }) if Instant::now() < deadline => {
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            Ok(other) => panic!("order {order_id}: {other:?}"),
+            Err(Error::Store { handler_ran, .. }) if Instant::now() < deadline => {
+                done_lost |= handler_ran;
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+            Err(other) => panic!("order {order_id}: {other:?}"),
+        }
+    }
+}
+
+/// Waits until the Sentinels name a master other than `old`, and returns its port.
+fn promoted(sentinels: &RedisSentinels, old: u16) -> u16 {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let port = sentinels.master_port();
+        if port != old {
+            return port;
+        }
+        assert!(Instant::now() < deadline, "the Sentinels never promoted the replica");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+/// Four consumers handle 300 orders through a store connected by Sentinel with
+/// `wait_for_replicas(1, ..)` to a master with two replicas (so one is left to
+/// confirm writes after a failover); the master is SIGKILLed after 100 were acknowledged. The same
+/// store follows the failover; every order is handled, and none acknowledged before
+/// or after ran twice. The only orders run twice are those whose handler ran while
+/// the master died, so their DONE was never recorded: a broker redelivers them, as
+/// after a consumer crash.
+#[test]
+fn a_sentinel_failover_mid_consumption_runs_no_acknowledged_order_twice() {
+    if !support::have_redis_server() {
+        return;
+    }
+    block_on(async {
+        let (mut master, replicas) = master_and_replicas(2);
+        let sentinels = RedisSentinels::start(master.port, Some(PASSWORD));
+        let store = RedisStore::options()
+            .master_credentials("default", PASSWORD)
+            .wait_for_replicas(1, Duration::from_millis(500))
+            .sentinel(sentinels.urls(), SENTINEL_SERVICE)
+            .await
+            .expect("the master, through the Sentinels");
+
+        const ORDERS: u64 = 300;
+        let runs: Arc<Vec<AtomicU32>> = Arc::new((0..ORDERS).map(|_| AtomicU32::new(0)).collect());
+        let (next, acked) = (Arc::new(AtomicU64::new(0)), Arc::new(AtomicU64::new(0)));
+        let done_lost = Arc::new(Mutex::new(HashSet::new()));
+        let consumers: Vec<_> = (0..4)
+            .map(|_| {
+                let (store, runs, next, acked, done_lost) =
+                    (store.clone(), runs.clone(), next.clone(), acked.clone(), done_lost.clone());
+                tokio::spawn(async move {
+                    loop {
+                        let order_id = next.fetch_add(1, Ordering::SeqCst);
+                        if order_id >= ORDERS {
+                            return;
+                        }
+                        if deliver(order_id, &store, &runs).await {
+                            done_lost.lock().unwrap().insert(order_id);
+                        }
+                        acked.fetch_add(1, Ordering::SeqCst);
+                        tokio::time::sleep(Duration::from_millis(5)).await;
+                    }
+                })
+            })
+            .collect();
+        while acked.load(Ordering::SeqCst) < 100 {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        let old = master.port;
+        master.kill();
+        let killed = Instant::now();
+        let acked_at_kill = acked.load(Ordering::SeqCst);
+        for consumer in consumers {
+            consumer.await.unwrap();
+        }
+        let new = promoted(&sentinels, old);
+        let replica = replicas.iter().find(|r| r.port == new).expect("a replica was promoted");
+        println!(
+            "Sentinel failover: {acked_at_kill} orders acked at the kill, all {ORDERS} handled {:.1} s after it",
+            killed.elapsed().as_secs_f64()
+        );
+
+        // Every order again, as duplicates: none runs.
+        let before: u32 = runs.iter().map(|r| r.load(Ordering::SeqCst)).sum();
+        for order_id in 0..ORDERS {
+            assert_eq!(
+                counted(Order { order_id }, &store, &runs).await.unwrap(),
+                Outcome::Duplicate
+            );
+        }
+        let after: u32 = runs.iter().map(|r| r.load(Ordering::SeqCst)).sum();
+        assert_eq!(after, before, "a duplicate ran after the failover");
+
+        let done_lost = done_lost.lock().unwrap();
+        let twice: Vec<u64> =
+            (0..ORDERS).filter(|&id| runs[id as usize].load(Ordering::SeqCst) > 1).collect();
+        for order_id in &twice {
+            assert!(
+                done_lost.contains(order_id),
+                "order {order_id} ran twice though its DONE was recorded"
+            );
+        }
+        assert!(twice.len() <= 4, "more orders ran twice than were in flight: {twice:?}");
+        assert!((0..ORDERS).all(|id| runs[id as usize].load(Ordering::SeqCst) >= 1));
+        println!("ran twice (in flight at the kill, DONE lost with the master): {twice:?}");
+
+        // From outside: the promoted master holds one record per order, and is a master.
+        assert!(authed(&replica, &["ROLE"]).starts_with("master"));
+        assert_eq!(authed(&replica, &["DBSIZE"]).trim(), ORDERS.to_string());
+    });
+}
+
+/// The replica stops receiving (its link is cut and can't log in again), orders go on
+/// being handled, then the master is SIGKILLed and the Sentinels promote the replica;
+/// the old master is restarted (empty) and the Sentinels make it a replica. Without
+/// waiting for replicas, the orders the old master acknowledged meanwhile are
+/// lost with it and each of their duplicates runs again; with `wait_for_replicas`
+/// their claims are refused before any handler runs, and none runs again.
+#[test]
+fn without_waiting_a_sentinel_failover_loses_what_the_replica_had_not_received() {
+    if !support::have_redis_server() {
+        return;
+    }
+    for wait in [false, true] {
+        block_on(async {
+            let (mut master, mut replicas) = master_and_replicas(1);
+            let replica = replicas.remove(0);
+            let sentinels = RedisSentinels::start(master.port, Some(PASSWORD));
+            let options = RedisStore::options().master_credentials("default", PASSWORD);
+            let options = if wait {
+                options.wait_for_replicas(1, Duration::from_millis(300))
+            } else {
+                options
+            };
+            let store = options.sentinel(sentinels.urls(), SENTINEL_SERVICE).await.unwrap();
+            let runs: Vec<AtomicU32> = (0..75).map(|_| AtomicU32::new(0)).collect();
+            for order_id in 0..25 {
+                deliver(order_id, &store, &runs).await;
+            }
+            // The replica can't log in again once its link is cut.
+            assert!(authed(&replica, &["CONFIG", "SET", "masterauth", "wrong"]).contains("OK"));
+            authed(&master, &["CLIENT", "KILL", "TYPE", "replica"]);
+            let deadline = Instant::now() + Duration::from_secs(10);
+            while !authed(&master, &["INFO", "replication"]).contains("connected_slaves:0") {
+                assert!(Instant::now() < deadline, "the replica stayed connected");
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            let mut refused = 0;
+            for order_id in 25..50 {
+                match counted(Order { order_id }, &store, &runs).await {
+                    Ok(Outcome::Processed(())) => assert!(!wait, "the replica confirmed nothing"),
+                    Err(Error::Store { handler_ran: false, .. }) if wait => refused += 1,
+                    other => panic!("order {order_id}: {other:?}"),
+                }
+            }
+            let ran_before: u32 = runs.iter().map(|r| r.load(Ordering::SeqCst)).sum();
+            assert_eq!(ran_before, if wait { 25 } else { 50 });
+            assert_eq!(refused, if wait { 25 } else { 0 });
+
+            let old = master.port;
+            master.kill();
+            let consumer = async {
+                let first = if wait { 25 } else { 50 };
+                for order_id in first..75 {
+                    deliver(order_id, &store, &runs).await;
+                }
+            };
+            // A supervisor restarts the old master once the replica took over (its
+            // data is gone: no persistence); the Sentinels make it a replica, which
+            // lets a write be confirmed again.
+            let restarted = async {
+                while sentinels.master_port() == old {
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                }
+                master.restart();
+            };
+            tokio::join!(consumer, restarted);
+            assert_eq!(promoted(&sentinels, old), replica.port);
+            let before: u32 = runs.iter().map(|r| r.load(Ordering::SeqCst)).sum();
+            for order_id in 0..75 {
+                deliver(order_id, &store, &runs).await;
+            }
+            let again = runs.iter().map(|r| r.load(Ordering::SeqCst)).sum::<u32>() - before;
+            println!(
+                "Sentinel, wait_for_replicas {wait}: {again} of 75 duplicates ran again after the failover"
+            );
+            if wait {
+                assert_eq!(again, 0);
+                assert!(runs.iter().all(|r| r.load(Ordering::SeqCst) == 1), "each order ran once");
+            } else {
+                assert_eq!(again, 25, "the orders the replica never received");
+            }
+            assert_eq!(authed(&replica, &["DBSIZE"]).trim(), "75");
+        });
+    }
+}
