@@ -29,8 +29,8 @@ use std::time::{Duration, Instant};
 
 use idempotent::admin::{self, Admin};
 use idempotent::{
-    Claim, Fingerprint, Key, MemoryStore, MysqlStore, PostgresStore, Store, Token, Transition,
-    ZooKeeperStore, testing,
+    Claim, Fingerprint, Key, MemoryStore, MysqlStore, PostgresStore, RedisStore, Store, Token,
+    Transition, ZooKeeperStore, testing,
 };
 use proptest::prelude::*;
 use proptest::test_runner::{Config, TestCaseError, TestError, TestRunner};
@@ -383,6 +383,18 @@ fn redis_store_with_claims_by_script_follows_the_reference() {
     let rt = runtime();
     let Some(store) = rt.block_on(support::shared_store()) else { return };
     let store = store.with_claims_by_script();
+    follow(&rt, &store, Clock::Real, cases(16), 24);
+}
+
+/// Through a 3-master Cluster of the test's own, each call routed by its key's slot.
+#[test]
+fn redis_cluster_store_follows_the_reference() {
+    if !support::have_redis_server() {
+        return;
+    }
+    let cluster = support::RedisCluster::start();
+    let rt = runtime();
+    let store = rt.block_on(RedisStore::cluster(cluster.urls())).expect("cluster reachable");
     follow(&rt, &store, Clock::Real, cases(16), 24);
 }
 
