@@ -197,7 +197,26 @@ pub struct RedisCluster {
 
 impl RedisCluster {
     pub fn start() -> RedisCluster {
-        let nodes: Vec<RedisServer> = (0..3)
+        RedisCluster::start_nodes(3, 0, "5000")
+    }
+
+    /// Three masters with a replica each; a master silent for 2 s is failed over.
+    pub fn with_replicas() -> RedisCluster {
+        let cluster = RedisCluster::start_nodes(6, 1, "2000");
+        let deadline = Instant::now() + Duration::from_secs(20);
+        for node in &cluster.nodes {
+            while node.cli(&["ROLE"]).starts_with("slave")
+                && !node.cli(&["INFO", "replication"]).contains("master_link_status:up")
+            {
+                assert!(Instant::now() < deadline, "a replica never synced");
+                std::thread::sleep(Duration::from_millis(100));
+            }
+        }
+        cluster
+    }
+
+    fn start_nodes(nodes: usize, replicas: usize, node_timeout: &str) -> RedisCluster {
+        let nodes: Vec<RedisServer> = (0..nodes)
             .map(|_| {
                 RedisServer::start_with(&[
                     "--save",
@@ -209,7 +228,7 @@ impl RedisCluster {
                     "--cluster-config-file",
                     "nodes.conf",
                     "--cluster-node-timeout",
-                    "5000",
+                    node_timeout,
                 ])
             })
             .collect();
@@ -217,7 +236,8 @@ impl RedisCluster {
             nodes.iter().map(|n| format!("127.0.0.1:{}", n.port)).collect();
         let mut create = vec!["--cluster", "create"];
         create.extend(addresses.iter().map(String::as_str));
-        create.extend(["--cluster-replicas", "0", "--cluster-yes"]);
+        let replicas = replicas.to_string();
+        create.extend(["--cluster-replicas", &replicas, "--cluster-yes"]);
         let out = cli(nodes[0].port, &create);
         assert!(out.contains("[OK] All 16384 slots covered"), "cluster create failed: {out}");
         let deadline = Instant::now() + Duration::from_secs(20);
@@ -235,7 +255,7 @@ impl RedisCluster {
     }
 }
 
-fn cli(port: u16, args: &[&str]) -> String {
+pub fn cli(port: u16, args: &[&str]) -> String {
     let out = Command::new("redis-cli")
         .args(["-h", "127.0.0.1", "-p", &port.to_string()])
         .args(args)

@@ -1,8 +1,9 @@
-//! `RedisStore` through Redis Sentinel: a master, a replica and three Sentinels of the
-//! test's own on loopback; the master's process is SIGKILLed while messages are being
-//! handled, the Sentinels promote the replica, and the same store follows. Judged from
-//! outside the store: the handlers' runs counted per order, and the records read back
-//! from the promoted master with `redis-cli`.
+//! `RedisStore` through a failover: Redis Sentinel (a master, replicas and three
+//! Sentinels of the test's own on loopback) and a Redis Cluster with replicas. A
+//! master's process is SIGKILLed while messages are being handled, a replica is
+//! promoted, and the same store follows. Judged from outside the store: the handlers'
+//! runs counted per order, and the records read back from the promoted master with
+//! `redis-cli`.
 
 mod support;
 
@@ -13,7 +14,7 @@ use std::time::{Duration, Instant};
 
 use idempotent::testing::block_on;
 use idempotent::{Error, Outcome, RedisStore, idempotent};
-use support::{RedisSentinels, RedisServer, SENTINEL_SERVICE};
+use support::{RedisCluster, RedisSentinels, RedisServer, SENTINEL_SERVICE};
 
 const PASSWORD: &str = "sentinel-test-secret";
 
@@ -94,13 +95,93 @@ fn promoted(sentinels: &RedisSentinels, old: u16) -> u16 {
     }
 }
 
+const ORDERS: u64 = 300;
+
+/// What four consumers did with `ORDERS` orders, `fail` starting after 100 were
+/// acknowledged.
+struct Consumed {
+    runs: Arc<Vec<AtomicU32>>,
+    /// The orders an attempt of which ran the handler but could not record DONE.
+    done_lost: HashSet<u64>,
+    acked_at_fault: u64,
+    /// From the fault until the last order was handled.
+    handled_after: Duration,
+}
+
+async fn consume_through(
+    store: &RedisStore,
+    fail: impl std::future::Future<Output = ()>,
+) -> Consumed {
+    let runs: Arc<Vec<AtomicU32>> = Arc::new((0..ORDERS).map(|_| AtomicU32::new(0)).collect());
+    let (next, acked) = (Arc::new(AtomicU64::new(0)), Arc::new(AtomicU64::new(0)));
+    let done_lost = Arc::new(Mutex::new(HashSet::new()));
+    let consumers: Vec<_> = (0..4)
+        .map(|_| {
+            let (store, runs, next, acked, done_lost) =
+                (store.clone(), runs.clone(), next.clone(), acked.clone(), done_lost.clone());
+            tokio::spawn(async move {
+                loop {
+                    let order_id = next.fetch_add(1, Ordering::SeqCst);
+                    if order_id >= ORDERS {
+                        return;
+                    }
+                    if deliver(order_id, &store, &runs).await {
+                        done_lost.lock().unwrap().insert(order_id);
+                    }
+                    acked.fetch_add(1, Ordering::SeqCst);
+                    tokio::time::sleep(Duration::from_millis(5)).await;
+                }
+            })
+        })
+        .collect();
+    while acked.load(Ordering::SeqCst) < 100 {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let failed = Instant::now();
+    let acked_at_fault = acked.load(Ordering::SeqCst);
+    fail.await;
+    for consumer in consumers {
+        consumer.await.unwrap();
+    }
+    let done_lost = done_lost.lock().unwrap().clone();
+    Consumed { runs, done_lost, acked_at_fault, handled_after: failed.elapsed() }
+}
+
+/// Every order handled, none acknowledged ran twice, and no duplicate runs now.
+async fn judge(store: &RedisStore, consumed: &Consumed, failover: &str) {
+    let runs = &consumed.runs;
+    println!(
+        "{failover}: {} orders acked at the kill, all {ORDERS} handled {:.1} s after it",
+        consumed.acked_at_fault,
+        consumed.handled_after.as_secs_f64()
+    );
+    let before: u32 = runs.iter().map(|r| r.load(Ordering::SeqCst)).sum();
+    for order_id in 0..ORDERS {
+        assert_eq!(counted(Order { order_id }, store, runs).await.unwrap(), Outcome::Duplicate);
+    }
+    let after: u32 = runs.iter().map(|r| r.load(Ordering::SeqCst)).sum();
+    assert_eq!(after, before, "a duplicate ran after the failover");
+
+    let twice: Vec<u64> =
+        (0..ORDERS).filter(|&id| runs[id as usize].load(Ordering::SeqCst) > 1).collect();
+    for order_id in &twice {
+        assert!(
+            consumed.done_lost.contains(order_id),
+            "order {order_id} ran twice though its DONE was recorded"
+        );
+    }
+    assert!(twice.len() <= 4, "more orders ran twice than were in flight: {twice:?}");
+    assert!((0..ORDERS).all(|id| runs[id as usize].load(Ordering::SeqCst) >= 1));
+    println!("{failover}: ran twice (in flight at the kill, DONE lost with the master): {twice:?}");
+}
+
 /// Four consumers handle 300 orders through a store connected by Sentinel with
 /// `wait_for_replicas(1, ..)` to a master with two replicas (so one is left to
-/// confirm writes after a failover); the master is SIGKILLed after 100 were acknowledged. The same
-/// store follows the failover; every order is handled, and none acknowledged before
-/// or after ran twice. The only orders run twice are those whose handler ran while
-/// the master died, so their DONE was never recorded: a broker redelivers them, as
-/// after a consumer crash.
+/// confirm writes after a failover); the master is SIGKILLed after 100 were
+/// acknowledged. The same store follows the failover; every order is handled, and
+/// none acknowledged before or after ran twice. The only orders run twice are those
+/// whose handler ran while the master died, so their DONE was never recorded: a
+/// broker redelivers them, as after a consumer crash.
 #[test]
 fn a_sentinel_failover_mid_consumption_runs_no_acknowledged_order_twice() {
     if !support::have_redis_server() {
@@ -115,74 +196,68 @@ fn a_sentinel_failover_mid_consumption_runs_no_acknowledged_order_twice() {
             .sentinel(sentinels.urls(), SENTINEL_SERVICE)
             .await
             .expect("the master, through the Sentinels");
-
-        const ORDERS: u64 = 300;
-        let runs: Arc<Vec<AtomicU32>> = Arc::new((0..ORDERS).map(|_| AtomicU32::new(0)).collect());
-        let (next, acked) = (Arc::new(AtomicU64::new(0)), Arc::new(AtomicU64::new(0)));
-        let done_lost = Arc::new(Mutex::new(HashSet::new()));
-        let consumers: Vec<_> = (0..4)
-            .map(|_| {
-                let (store, runs, next, acked, done_lost) =
-                    (store.clone(), runs.clone(), next.clone(), acked.clone(), done_lost.clone());
-                tokio::spawn(async move {
-                    loop {
-                        let order_id = next.fetch_add(1, Ordering::SeqCst);
-                        if order_id >= ORDERS {
-                            return;
-                        }
-                        if deliver(order_id, &store, &runs).await {
-                            done_lost.lock().unwrap().insert(order_id);
-                        }
-                        acked.fetch_add(1, Ordering::SeqCst);
-                        tokio::time::sleep(Duration::from_millis(5)).await;
-                    }
-                })
-            })
-            .collect();
-        while acked.load(Ordering::SeqCst) < 100 {
-            tokio::time::sleep(Duration::from_millis(5)).await;
-        }
         let old = master.port;
-        master.kill();
-        let killed = Instant::now();
-        let acked_at_kill = acked.load(Ordering::SeqCst);
-        for consumer in consumers {
-            consumer.await.unwrap();
-        }
+        let consumed = consume_through(&store, async { master.kill() }).await;
         let new = promoted(&sentinels, old);
         let replica = replicas.iter().find(|r| r.port == new).expect("a replica was promoted");
-        println!(
-            "Sentinel failover: {acked_at_kill} orders acked at the kill, all {ORDERS} handled {:.1} s after it",
-            killed.elapsed().as_secs_f64()
-        );
-
-        // Every order again, as duplicates: none runs.
-        let before: u32 = runs.iter().map(|r| r.load(Ordering::SeqCst)).sum();
-        for order_id in 0..ORDERS {
-            assert_eq!(
-                counted(Order { order_id }, &store, &runs).await.unwrap(),
-                Outcome::Duplicate
-            );
-        }
-        let after: u32 = runs.iter().map(|r| r.load(Ordering::SeqCst)).sum();
-        assert_eq!(after, before, "a duplicate ran after the failover");
-
-        let done_lost = done_lost.lock().unwrap();
-        let twice: Vec<u64> =
-            (0..ORDERS).filter(|&id| runs[id as usize].load(Ordering::SeqCst) > 1).collect();
-        for order_id in &twice {
-            assert!(
-                done_lost.contains(order_id),
-                "order {order_id} ran twice though its DONE was recorded"
-            );
-        }
-        assert!(twice.len() <= 4, "more orders ran twice than were in flight: {twice:?}");
-        assert!((0..ORDERS).all(|id| runs[id as usize].load(Ordering::SeqCst) >= 1));
-        println!("ran twice (in flight at the kill, DONE lost with the master): {twice:?}");
+        judge(&store, &consumed, "Sentinel failover").await;
 
         // From outside: the promoted master holds one record per order, and is a master.
-        assert!(authed(&replica, &["ROLE"]).starts_with("master"));
-        assert_eq!(authed(&replica, &["DBSIZE"]).trim(), ORDERS.to_string());
+        assert!(authed(replica, &["ROLE"]).starts_with("master"));
+        assert_eq!(authed(replica, &["DBSIZE"]).trim(), ORDERS.to_string());
+    });
+}
+
+/// The same through a Redis Cluster of three masters with a replica each: one master
+/// is SIGKILLed, the Cluster promotes its replica, and a supervisor restarts the
+/// killed node (empty), which rejoins as the new master's replica, so writes to its
+/// slots can be confirmed again. The Cluster connection follows the new slot map.
+#[test]
+fn a_cluster_failover_mid_consumption_runs_no_acknowledged_order_twice() {
+    if !support::have_redis_server() {
+        return;
+    }
+    let mut cluster = RedisCluster::with_replicas();
+    block_on(async {
+        let store = RedisStore::options()
+            .wait_for_replicas(1, Duration::from_millis(500))
+            .cluster(cluster.urls())
+            .await
+            .expect("the Cluster");
+        let victim = cluster
+            .nodes
+            .iter()
+            .position(|node| node.cli(&["ROLE"]).starts_with("master"))
+            .expect("a master");
+        let port = cluster.nodes[victim].port;
+        let replica = cluster
+            .nodes
+            .iter()
+            .find(|node| {
+                node.cli(&["INFO", "replication"]).contains(&format!("master_port:{port}"))
+            })
+            .expect("the master's replica")
+            .port;
+        let fail = async {
+            cluster.nodes[victim].kill();
+            let deadline = Instant::now() + Duration::from_secs(30);
+            while !support::cli(replica, &["ROLE"]).starts_with("master") {
+                assert!(Instant::now() < deadline, "the Cluster never promoted the replica");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            cluster.nodes[victim].restart();
+        };
+        let consumed = consume_through(&store, fail).await;
+        judge(&store, &consumed, "Cluster failover").await;
+
+        // From outside: the masters hold one record per order between them.
+        let records: u64 = cluster
+            .nodes
+            .iter()
+            .filter(|node| node.cli(&["ROLE"]).starts_with("master"))
+            .map(|node| node.cli(&["DBSIZE"]).trim().parse::<u64>().unwrap())
+            .sum();
+        assert_eq!(records, ORDERS);
     });
 }
 
