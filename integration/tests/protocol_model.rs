@@ -419,7 +419,7 @@ impl Model for Protocol {
                 let Phase::Releasing { msg, token } = w.consumers[c as usize] else {
                     unreachable!()
                 };
-                Self::fenced(&mut w, msg, token, |s| s.release(&msg, token));
+                Self::fenced(&mut w, msg, token, |s| s.release(&msg, token) == Verdict::Applied);
                 w.consumers[c as usize] = Phase::Idle;
             }
             Action::Fail { c, fault } => {

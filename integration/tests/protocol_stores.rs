@@ -218,7 +218,7 @@ impl<S: Store + Admin> Replay<'_, S> {
                 let applied = |done| if done { Verdict::Applied } else { Verdict::LeaseLost };
                 let expected = match *op {
                     Op::Complete { cached, .. } => self.model.complete(&k, token, cached),
-                    Op::Release { .. } => applied(self.model.release(&k, token)),
+                    Op::Release { .. } => self.model.release(&k, token),
                     Op::Fail { .. } => self.model.fail(&k, token),
                     _ => {
                         let renewed = self.model.renew(&k, token, self.now, LEASE_TICKS);
@@ -264,7 +264,7 @@ impl<S: Store + Admin> Replay<'_, S> {
                         State::InProgress { lease_until, .. } => {
                             (admin::State::InProgress, lease_until > self.now)
                         }
-                        State::Released => (admin::State::Released, false),
+                        State::Released { .. } => (admin::State::Released, false),
                         State::Done { .. } => (admin::State::Done, false),
                         State::Failed { .. } => (admin::State::Failed, false),
                     };

@@ -142,11 +142,11 @@ fn hex_sha256(bytes: &[u8]) -> String {
     sha2::Sha256::digest(bytes).iter().map(|b| format!("{b:02x}")).collect()
 }
 
-/// A claim or a completion sent twice with the same token (a Cluster client resends
-/// after a redirect or a dropped connection) answers as the first one did, instead of
-/// reading as another consumer's claim or a lost lease.
+/// A claim, a completion or a release sent twice with the same token (a Cluster
+/// client resends after a redirect or a dropped connection) answers as the first one
+/// did, instead of reading as another consumer's claim or a lost lease.
 #[test]
-fn the_same_claim_or_completion_sent_twice_answers_as_the_first() {
+fn the_same_claim_completion_or_release_sent_twice_answers_as_the_first() {
     block_on(async {
         let Some(store) = support::shared_store().await else {
             return;
@@ -183,6 +183,27 @@ fn the_same_claim_or_completion_sent_twice_answers_as_the_first() {
         }
         let again = store.claim(&key, testing::LEASE, testing::TTL, None).await.unwrap();
         assert_eq!(again, Claim::Cached(b"cached".to_vec()));
+
+        // A release sent twice: the second answers as the first, not as a lost lease.
+        let key = testing::fresh_key("resend-release");
+        let Claim::Won { token, .. } =
+            store.claim(&key, testing::LEASE, testing::TTL, None).await.unwrap()
+        else {
+            panic!("a fresh key is won");
+        };
+        let release = redis::Script::new(idempotent::redis_store::RELEASE_SCRIPT);
+        for _ in 0..2 {
+            let applied: i64 = release
+                .key(store.redis_key(&key))
+                .arg(token.to_string())
+                .arg("0")
+                .invoke_async(&mut conn)
+                .await
+                .unwrap();
+            assert_eq!(applied, 1);
+        }
+        let next = store.claim(&key, testing::LEASE, testing::TTL, None).await.unwrap();
+        assert!(matches!(next, Claim::Won { attempt: 2, .. }), "{next:?}");
     });
 }
 

@@ -20,8 +20,8 @@ pub type ModelToken = u32;
 pub enum State {
     /// Claimed under `token` until `lease_until` (exclusive).
     InProgress { token: ModelToken, lease_until: u32 },
-    /// Given back; the next claim takes it.
-    Released,
+    /// Given back by the claim `by`; the next claim takes it.
+    Released { by: ModelToken },
     /// Done by the claim `by`, with the handler's cached result if it had one.
     Done { cached: Option<u8>, by: ModelToken },
     /// Failed for good by the claim `by`.
@@ -115,7 +115,7 @@ impl<K: Ord + Clone> RefStore<K> {
             {
                 Answer::InProgress
             }
-            State::InProgress { .. } | State::Released => {
+            State::InProgress { .. } | State::Released { .. } => {
                 self.tokens_issued = token;
                 record.attempts += 1;
                 record.state = State::InProgress { token, lease_until: now + lease };
@@ -150,9 +150,9 @@ impl<K: Ord + Clone> RefStore<K> {
         self.finish(key, token, State::Done { cached, by: token })
     }
 
-    /// `Store::release`; true when applied.
-    pub fn release(&mut self, key: &K, token: ModelToken) -> bool {
-        self.transition(key, token, State::Released)
+    /// `Store::release`.
+    pub fn release(&mut self, key: &K, token: ModelToken) -> Verdict {
+        self.finish(key, token, State::Released { by: token })
     }
 
     /// `Store::fail`.
@@ -160,13 +160,14 @@ impl<K: Ord + Clone> RefStore<K> {
         self.finish(key, token, State::Failed { by: token })
     }
 
-    /// Completes or fails. The same call again, once it applied, changes nothing and
-    /// may answer either way: a store may recognise its own resend (Redis keeps the
-    /// finishing token for this) or not.
+    /// Completes, fails or releases. The same call again, once it applied, changes
+    /// nothing and may answer either way: a store may recognise its own resend (Redis
+    /// keeps the token for this) or not.
     fn finish(&mut self, key: &K, token: ModelToken, to: State) -> Verdict {
         let again = match (self.state(key), to) {
             (Some(State::Done { by, .. }), State::Done { .. })
-            | (Some(State::Failed { by }), State::Failed { .. }) => by == token,
+            | (Some(State::Failed { by }), State::Failed { .. })
+            | (Some(State::Released { by }), State::Released { .. }) => by == token,
             _ => false,
         };
         if again && self.fences.transitions_check_token {

@@ -111,13 +111,18 @@ return 1
 /// The release script. ARGV: token, and `1` to also take back the claim's attempt
 /// (for a claim whose reply was lost: its handler never ran). Returns 1 if applied, 0
 /// if the lease was lost. Keeps the attempt count, the fingerprint and the expiry.
+/// The released record keeps the releasing token, so the same release sent again (a
+/// Cluster client resends after a redirect or a lost connection) answers 1.
 pub const RELEASE_SCRIPT: &str = r"
 local r = redis.call('GET', KEYS[1])
-if not r or string.sub(r, 1, 33) ~= 'P' .. ARGV[1] then return 0 end
+if not r then return 0 end
+local head = string.sub(r, 1, 33)
+if head == 'R' .. ARGV[1] then return 1 end
+if head ~= 'P' .. ARGV[1] then return 0 end
 local a, fp = string.match(r, '^%d+ (%d+) (%S+) ', 35)
 a = tonumber(a)
 if ARGV[2] == '1' and a > 0 then a = a - 1 end
-redis.call('SET', KEYS[1], 'R- 0 ' .. a .. ' ' .. fp .. ' ', 'KEEPTTL')
+redis.call('SET', KEYS[1], 'R' .. ARGV[1] .. ' 0 ' .. a .. ' ' .. fp .. ' ', 'KEEPTTL')
 return 1
 ";
 
