@@ -906,7 +906,8 @@ where
     // lease's end. Once that lease has run out there is none left to protect, and a
     // renewal gets a whole lease to answer (the body waits for it): cut shorter,
     // every answer of a store slower than that (under load) would time out, and a
-    // body whose key another consumer took would go on, never told.
+    // body whose key another consumer took would go on, never told. Unanswered by
+    // then, the body goes on and the answer is awaited for a second lease.
     let lease = claim.spec.lease;
     let period = renewal_period(lease);
     let pause = (lease / 30).max(std::time::Duration::from_millis(1));
@@ -927,7 +928,18 @@ where
             let budget = if left.is_zero() { lease } else { left.min(period).max(pause) };
             let renewal =
                 claim.store.renew(claim.key, claim.token, claim.spec.lease, claim.spec.ttl);
-            match tokio::time::timeout(budget, renewal).await {
+            tokio::pin!(renewal);
+            let mut answer = tokio::time::timeout(budget, renewal.as_mut()).await;
+            if answer.is_err() && left.is_zero() {
+                // The lease has run out and the store did not answer within one: the
+                // body goes on (its result fenced by the token), and the answer is
+                // awaited for another lease, so that a store slower than the lease
+                // (replies held back on the network) still stops a body whose key
+                // another consumer took, rather than every answer being dropped.
+                held_until.went_unanswered(sent);
+                answer = tokio::time::timeout(lease, renewal.as_mut()).await;
+            }
+            match answer {
                 Ok(Ok(Transition::Applied)) => {
                     held_until.renewed(sent + lease);
                     next = sent + period;

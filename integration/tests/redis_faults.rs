@@ -197,7 +197,7 @@ fn a_lost_claim_reply_gives_the_claim_back() {
             Ok(())
         }
 
-        let proxy = support::LossyProxy::start(server.port).await;
+        let proxy = support::FaultProxy::start(server.port).await;
         let store = RedisStore::connect(proxy.url()).await.unwrap();
         // Loads the scripts, so that the lost reply is the claim's own.
         assert_eq!(once(Order { order_id: 1 }, &store).await.unwrap(), Outcome::Processed(()));

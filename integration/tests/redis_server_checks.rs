@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use idempotent::testing::block_on;
 use idempotent::{Disposition, Error, Outcome, RedisStore, StoreError, idempotent};
-use support::{LossyProxy, RedisServer};
+use support::{FaultProxy, RedisServer};
 
 struct Order {
     order_id: u64,
@@ -261,7 +261,7 @@ fn a_switchover_behind_one_address_reaches_the_new_master() {
         &old_port,
     ]);
     block_on(async {
-        let proxy = LossyProxy::start(old.port).await;
+        let proxy = FaultProxy::start(old.port).await;
         let store = RedisStore::connect(proxy.url().as_str()).await.expect("the master");
         let runs = AtomicU32::new(0);
         processed(0, &store, &runs).await;
@@ -340,9 +340,9 @@ fn a_restart_loses_the_records_no_append_only_file_kept() {
 
 /// Starts a master and a replica of it that replicates through `link` (a proxy the
 /// test can make swallow the replication stream), and waits until it has synced.
-async fn master_and_replica() -> (RedisServer, RedisServer, LossyProxy) {
+async fn master_and_replica() -> (RedisServer, RedisServer, FaultProxy) {
     let master = RedisServer::start();
-    let link = LossyProxy::start(master.port).await;
+    let link = FaultProxy::start(master.port).await;
     let port = link.port.to_string();
     let replica = RedisServer::start_with(&[
         "--save",

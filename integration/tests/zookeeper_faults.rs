@@ -2,6 +2,8 @@
 //! restarts it, partitions a consumer from it until its session expires, or races two
 //! consumers over the same keys; no message is lost, and none takes effect twice.
 
+#[path = "support/fault_proxy.rs"]
+mod fault_proxy;
 #[path = "support/zookeeper.rs"]
 mod zookeeper;
 
@@ -13,7 +15,8 @@ use std::time::{Duration, Instant};
 use idempotent::testing::block_on;
 use idempotent::{Error, Outcome, ZooKeeperStore, idempotent};
 use tokio::sync::Notify;
-use zookeeper::{Proxy, ZooKeeperServer};
+use fault_proxy::FaultProxy;
+use zookeeper::ZooKeeperServer;
 
 struct Order {
     id: u32,
@@ -123,9 +126,9 @@ async fn slow(
 fn an_expired_session_hands_the_claim_over_and_the_old_owner_gets_lease_lost() {
     let Some(server) = ZooKeeperServer::start() else { return };
     block_on(async {
-        let proxy = Proxy::start(server.hosts()).await;
+        let proxy = FaultProxy::start(server.port).await;
         let session = Duration::from_secs(1);
-        let cut_off = zookeeper::connect(&proxy.address, "/orders", session).await;
+        let cut_off = zookeeper::connect(&proxy.address(), "/orders", session).await;
         let other = zookeeper::connect(&server.hosts(), "/orders", session).await;
         // The first call's body waits for ever: only its renewal can end it.
         let (ledger, never) = (Ledger::default(), Notify::new());

@@ -11,6 +11,9 @@ use std::time::{Duration, Instant};
 
 use idempotent::RedisStore;
 
+mod fault_proxy;
+pub use fault_proxy::FaultProxy;
+
 /// The machine's Redis (`REDIS_URL`, default `redis://127.0.0.1:6379`). `None`, with a
 /// printed reason, when it is unreachable outside CI; under `CI` a missing server
 /// fails the test.
@@ -289,106 +292,4 @@ fn temp_dir(name: &str) -> PathBuf {
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).expect("create a temporary directory");
     dir
-}
-
-/// A TCP proxy of the test's own in front of a server, which can lose the server's
-/// next reply (it swallows it and closes the client's connection, as a network that
-/// fails after the command ran would), swallow everything the server sends until
-/// released (a link that stopped delivering), and be pointed at another server (as a
-/// virtual IP or a DNS name moved at a switchover is), which only new connections
-/// reach. Runs on the current Tokio runtime.
-pub struct LossyProxy {
-    pub port: u16,
-    state: std::sync::Arc<ProxyState>,
-}
-
-#[derive(Default)]
-struct ProxyState {
-    upstream: std::sync::atomic::AtomicU16,
-    lose_next: std::sync::atomic::AtomicBool,
-    swallowing: std::sync::atomic::AtomicBool,
-    lost: std::sync::atomic::AtomicU32,
-    /// Bumped to close every open connection.
-    generation: tokio::sync::watch::Sender<u64>,
-}
-
-impl LossyProxy {
-    pub async fn start(upstream: u16) -> LossyProxy {
-        use std::sync::Arc;
-        use std::sync::atomic::Ordering;
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
-        let port = listener.local_addr().expect("local address").port();
-        let state = Arc::new(ProxyState::default());
-        state.upstream.store(upstream, Ordering::SeqCst);
-        let shared = state.clone();
-        tokio::spawn(async move {
-            while let Ok((client, _)) = listener.accept().await {
-                tokio::spawn(pump(client, shared.clone()));
-            }
-        });
-        LossyProxy { port, state }
-    }
-
-    /// New connections go to `upstream`; open ones stay where they are.
-    pub fn retarget(&self, upstream: u16) {
-        self.state.upstream.store(upstream, std::sync::atomic::Ordering::SeqCst);
-    }
-
-    pub fn url(&self) -> String {
-        format!("redis://127.0.0.1:{}", self.port)
-    }
-
-    /// The next reply from the server is lost, and its connection closed.
-    pub fn lose_next_reply(&self) {
-        self.state.lose_next.store(true, std::sync::atomic::Ordering::SeqCst);
-    }
-
-    /// From now on, what the server sends is dropped, the connections kept open.
-    pub fn swallow(&self) {
-        self.state.swallowing.store(true, std::sync::atomic::Ordering::SeqCst);
-    }
-
-    /// Stops swallowing, and closes the connections that lost bytes.
-    pub fn release(&self) {
-        self.state.swallowing.store(false, std::sync::atomic::Ordering::SeqCst);
-        self.state.generation.send_modify(|g| *g += 1);
-    }
-
-    /// How many replies were lost so far.
-    pub fn lost(&self) -> u32 {
-        self.state.lost.load(std::sync::atomic::Ordering::SeqCst)
-    }
-}
-
-async fn pump(client: tokio::net::TcpStream, state: std::sync::Arc<ProxyState>) {
-    use std::sync::atomic::Ordering;
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let mut closed = state.generation.subscribe();
-    let upstream = state.upstream.load(Ordering::SeqCst);
-    let Ok(server) = tokio::net::TcpStream::connect(("127.0.0.1", upstream)).await else { return };
-    let (mut client_read, mut client_write) = client.into_split();
-    let (mut server_read, mut server_write) = server.into_split();
-    let up = tokio::io::copy(&mut client_read, &mut server_write);
-    let down = async {
-        let mut buf = vec![0u8; 64 * 1024];
-        loop {
-            let n = server_read.read(&mut buf).await?;
-            if n == 0 {
-                return Ok::<(), std::io::Error>(());
-            }
-            if state.swallowing.load(Ordering::SeqCst) {
-                continue;
-            }
-            if state.lose_next.swap(false, Ordering::SeqCst) {
-                state.lost.fetch_add(1, Ordering::SeqCst);
-                return Ok(());
-            }
-            client_write.write_all(&buf[..n]).await?;
-        }
-    };
-    tokio::select! {
-        _ = up => {}
-        _ = down => {}
-        _ = closed.changed() => {}
-    }
 }

@@ -1,14 +1,11 @@
 //! A ZooKeeper server of the test's own (Debian's package, run with `java` directly
 //! so that killing it kills the server), on a free loopback port, with TTL nodes on,
-//! its files in a fresh directory; killed when dropped. And a TCP proxy that a test
-//! can cut, to partition a client from the server.
+//! its files in a fresh directory; killed when dropped.
 #![allow(dead_code)]
 
 use std::net::TcpListener;
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
-use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 const JAR: &str = "/usr/share/java/zookeeper.jar";
@@ -147,52 +144,5 @@ impl Drop for ZooKeeperServer {
     fn drop(&mut self) {
         self.kill();
         let _ = std::fs::remove_dir_all(&self.dir);
-    }
-}
-
-/// A TCP proxy to `target` on a free loopback port. [`cut`](Proxy::cut) closes every
-/// connection through it and refuses new ones until [`restore`](Proxy::restore).
-pub struct Proxy {
-    pub address: String,
-    cut: Arc<AtomicBool>,
-    generation: tokio::sync::watch::Sender<u64>,
-}
-
-impl Proxy {
-    pub async fn start(target: String) -> Proxy {
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let address = listener.local_addr().unwrap().to_string();
-        let cut = Arc::new(AtomicBool::new(false));
-        let (generation, _) = tokio::sync::watch::channel(0u64);
-        let (is_cut, cuts) = (cut.clone(), generation.clone());
-        tokio::spawn(async move {
-            loop {
-                let Ok((mut inbound, _)) = listener.accept().await else { return };
-                if is_cut.load(Ordering::SeqCst) {
-                    continue;
-                }
-                let mut watch = cuts.subscribe();
-                let target = target.clone();
-                tokio::spawn(async move {
-                    let Ok(mut outbound) = tokio::net::TcpStream::connect(&target).await else {
-                        return;
-                    };
-                    tokio::select! {
-                        _ = tokio::io::copy_bidirectional(&mut inbound, &mut outbound) => {}
-                        _ = watch.changed() => {}
-                    }
-                });
-            }
-        });
-        Proxy { address, cut, generation }
-    }
-
-    pub fn cut(&self) {
-        self.cut.store(true, Ordering::SeqCst);
-        self.generation.send_modify(|g| *g += 1);
-    }
-
-    pub fn restore(&self) {
-        self.cut.store(false, Ordering::SeqCst);
     }
 }
