@@ -369,11 +369,11 @@ pub use idempotent_macros::idempotent;
 pub use idempotent_macros::Classify;
 
 pub use idempotent_runtime::{
-    Admin, AlertSink, AlreadySet, Backoff, Claim, Classify, Current, DefaultStore, Disposition,
-    DispositionExt, Document, Error, ErrorClass, Fingerprint, Key, KeyBuilder, KeyError,
-    MAX_KEY_LEN, MAX_STORED_ID_LEN, MemoryStore, NoStore, Outcome, Payload, PayloadRef, Store,
-    StoreError, TerminalEvent, Token, Transition, Unusable, alert, async_trait, claim_retention,
-    current, default_store, set_alert_sink, set_default_store,
+    Admin, AlertSink, AlreadySet, Backoff, Capacity, Claim, Classify, Current, DefaultStore,
+    Disposition, DispositionExt, Document, Error, ErrorClass, Fingerprint, Key, KeyBuilder,
+    KeyError, MAX_KEY_LEN, MAX_STORED_ID_LEN, MemoryStore, NoStore, Outcome, Payload, PayloadRef,
+    Store, StoreError, TerminalEvent, Token, Transition, Unusable, alert, async_trait,
+    claim_retention, current, default_store, set_alert_sink, set_default_store,
 };
 
 pub use idempotent_runtime::{admin, delivery, metrics, trace};

@@ -409,16 +409,36 @@ pub enum StoreError {
     /// check again. The text names the setting and what to do.
     #[error("the store's server is misconfigured: {0}")]
     Misconfigured(String),
-    /// A bounded store holds as many records as it may, none of them expired: the
-    /// claim of a new key is refused rather than evict a record still in use. Retry
-    /// later, when records have expired.
+    /// A bounded store holds as much as it may, none of it expired: the claim of a
+    /// new key is refused rather than evict a record still in use. Retry later, when
+    /// records have expired.
     #[error(
-        "store is full: it holds its capacity of {capacity} records, none expired; new keys are refused until records expire"
+        "store is full: it holds its capacity of {capacity}, none expired; new keys are refused until records expire"
     )]
     Full {
-        /// The most records the store holds.
-        capacity: usize,
+        /// How much the store holds at most.
+        capacity: Capacity,
     },
+}
+
+/// How much a bounded store holds at most: a number of records, or the bytes its
+/// records take (each counted as its fixed size plus its long key, fingerprint and
+/// cached result).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Capacity {
+    /// At most this many records.
+    Records(usize),
+    /// At most this many bytes of records.
+    Bytes(usize),
+}
+
+impl std::fmt::Display for Capacity {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Capacity::Records(n) => write!(f, "{n} records"),
+            Capacity::Bytes(n) => write!(f, "{n} bytes of records"),
+        }
+    }
 }
 
 impl StoreError {

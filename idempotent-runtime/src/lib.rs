@@ -96,7 +96,7 @@ pub use backoff::Backoff;
 pub use classify::classifier;
 pub use classify::{Classify, ErrorClass};
 pub use current::{Current, current};
-pub use error::{Error, KeyError, StoreError};
+pub use error::{Capacity, Error, KeyError, StoreError};
 pub use key::{Key, KeyBuilder, MAX_KEY_LEN, MAX_STORED_ID_LEN};
 pub use outcome::{Disposition, DispositionExt, Outcome};
 pub use payload::{Document, Fingerprint, Payload, PayloadRef, Unusable};

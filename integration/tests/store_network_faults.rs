@@ -209,9 +209,8 @@ fn on_redis<F: Future<Output = ()>>(case: impl FnOnce(Target) -> F) {
     block_on(async {
         let proxy = FaultProxy::start(server.port).await;
         let proxied = RedisStore::connect(proxy.url()).await.expect("Redis through the proxy");
-        let direct = RedisStore::connect(format!("redis://127.0.0.1:{}", server.port))
-            .await
-            .expect("Redis");
+        let direct =
+            RedisStore::connect(format!("redis://127.0.0.1:{}", server.port)).await.expect("Redis");
         case(Target { proxy, proxied: Box::new(proxied), direct: Box::new(direct) }).await
     });
 }

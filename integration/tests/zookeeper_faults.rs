@@ -12,10 +12,10 @@ use std::sync::Mutex;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
+use fault_proxy::FaultProxy;
 use idempotent::testing::block_on;
 use idempotent::{Error, Outcome, ZooKeeperStore, idempotent};
 use tokio::sync::Notify;
-use fault_proxy::FaultProxy;
 use zookeeper::ZooKeeperServer;
 
 struct Order {

@@ -11,7 +11,9 @@ use parking_lot::Mutex;
 use tokio::time::Instant;
 
 use super::admin;
-use crate::{Claim, Fingerprint, Key, Store, StoreError, Token, Transition, claim_retention};
+use crate::{
+    Capacity, Claim, Fingerprint, Key, Store, StoreError, Token, Transition, claim_retention,
+};
 
 const SHARDS: usize = 64;
 /// How many due expiry entries a write handles (each write adds at most one, so the
@@ -45,7 +47,8 @@ const MAX_AHEAD: Tick = 1 << 42;
 /// `cargo bench -p idempotent-integration --bench memory_scale`); keys of up to 30
 /// bytes are kept inside the record, longer ones in an allocation of their own.
 /// Records stay for their ttl (24 h by default), so a consumer doing 1,000 messages a
-/// second holds 86 million records, about 16 GB. Bound it with [`with_capacity`](MemoryStore::with_capacity): a full
+/// second holds 86 million records, about 16 GB. Bound it with [`with_capacity`](MemoryStore::with_capacity)
+/// (records) or [`with_memory_limit`](MemoryStore::with_memory_limit) (bytes): a full
 /// store refuses claims of new keys with [`StoreError::Full`] (the delivery is
 /// retried later) rather than evict a record whose key is in progress, or done within
 /// its dedupe window, which would let a duplicate run again.
@@ -80,9 +83,10 @@ pub struct MemoryStore {
     hasher: RandomState,
     /// Times are kept as nanoseconds since this instant.
     base: Instant,
-    /// The most records held at once, if bounded.
-    capacity: Option<usize>,
-    /// Records held, counted only when `capacity` is set.
+    /// How much is held at most, if bounded.
+    capacity: Option<Capacity>,
+    /// What is held, in `capacity`'s unit (records or bytes), counted only when it is
+    /// set.
     held: AtomicUsize,
 }
 
@@ -149,6 +153,32 @@ fn slot(at: Tick) -> u64 {
     at >> SLOT_SHIFT
 }
 
+/// See [`MemoryStore::RECORD_BYTES`].
+const RECORD_BYTES: usize = MemoryStore::RECORD_BYTES;
+
+/// What a record counts against `bound`: one record, or its bytes.
+fn cost(bound: Option<Capacity>, key: usize, fingerprint: bool, result: usize) -> usize {
+    match bound {
+        Some(Capacity::Bytes(_)) => {
+            let key = if key > INLINE_KEY { key } else { 0 };
+            let fingerprint = if fingerprint { std::mem::size_of::<Fingerprint>() } else { 0 };
+            RECORD_BYTES.saturating_add(key).saturating_add(fingerprint).saturating_add(result)
+        }
+        Some(Capacity::Records(_)) | None => 1,
+    }
+}
+
+impl Entry {
+    fn cost(&self, bound: Option<Capacity>) -> usize {
+        let record = &self.record;
+        let result = match &record.state {
+            State::Done(Some(result)) => result.len(),
+            _ => 0,
+        };
+        cost(bound, self.key.as_bytes().len(), record.fingerprint.is_some(), result)
+    }
+}
+
 struct Record {
     state: State,
     attempts: u32,
@@ -192,6 +222,12 @@ impl std::fmt::Debug for MemoryStore {
 }
 
 impl MemoryStore {
+    /// What a record is counted as by [`with_memory_limit`](MemoryStore::with_memory_limit),
+    /// besides its long key, fingerprint and cached result: its entry, its share of
+    /// the table's spare room, and its expiry queue entry (a record of a 27-byte key
+    /// was measured at about 190 bytes).
+    pub const RECORD_BYTES: usize = 200;
+
     /// An empty store without a bound on the records it holds.
     pub fn new() -> MemoryStore {
         MemoryStore {
@@ -212,7 +248,20 @@ impl MemoryStore {
     /// keeps 8 bytes of expiry queue per record, plus 8 per record whose expiry moved
     /// earlier (a ttl shorter than the lease) for up to 73 minutes.
     pub fn with_capacity(records: usize) -> MemoryStore {
-        MemoryStore { capacity: Some(records), ..MemoryStore::new() }
+        MemoryStore { capacity: Some(Capacity::Records(records)), ..MemoryStore::new() }
+    }
+
+    /// An empty store whose records take at most `bytes`, each counted as
+    /// [`RECORD_BYTES`](MemoryStore::RECORD_BYTES) plus its key beyond the 30 bytes a record keeps inline, its
+    /// payload fingerprint and its cached result: a bound that holds whatever the
+    /// keys and results are (with [`with_capacity`](MemoryStore::with_capacity), a
+    /// producer sending 64 KiB ids, or handlers caching large results, make each
+    /// record cost that much more). Full, it refuses claims of new keys as
+    /// `with_capacity` does. A result is counted when it is recorded, and never
+    /// refused (refusing it would lose the DONE), so the store may go over its bound
+    /// by the results of the calls in flight when it fills.
+    pub fn with_memory_limit(bytes: usize) -> MemoryStore {
+        MemoryStore { capacity: Some(Capacity::Bytes(bytes)), ..MemoryStore::new() }
     }
 
     /// How many records are held, expired ones not yet dropped included.
@@ -238,9 +287,10 @@ impl MemoryStore {
         let mut total = 0;
         for shard in self.shards.iter() {
             let mut shard = shard.lock();
-            let dropped = shard.expire(now, usize::MAX) + shard.expire_current(now);
-            self.forget(dropped);
-            total += dropped;
+            let dropped = shard.expire(now, usize::MAX, self.capacity)
+                + shard.expire_current(now, self.capacity);
+            self.forget(dropped.cost);
+            total += dropped.records;
         }
         total
     }
@@ -250,8 +300,8 @@ impl MemoryStore {
     fn drop_due(&self) {
         let now = self.now();
         for shard in self.shards.iter() {
-            let dropped = shard.lock().expire(now, usize::MAX);
-            self.forget(dropped);
+            let dropped = shard.lock().expire(now, usize::MAX, self.capacity);
+            self.forget(dropped.cost);
         }
     }
 
@@ -259,10 +309,21 @@ impl MemoryStore {
         Instant::now().saturating_duration_since(self.base).as_nanos() as Tick
     }
 
-    /// `dropped` records left the store.
+    /// Records that `dropped` units (records or bytes, as counted by [`cost`]) left
+    /// the store.
     fn forget(&self, dropped: usize) {
         if self.capacity.is_some() && dropped > 0 {
             self.held.fetch_sub(dropped, atomic::Ordering::Relaxed);
+        }
+    }
+
+    /// A record's cost grew (or, negative, shrank) in place: always counted, never
+    /// refused.
+    fn regrow(&self, before: usize, after: usize) {
+        if after > before {
+            self.held.fetch_add(after - before, atomic::Ordering::Relaxed);
+        } else {
+            self.forget(before - after);
         }
     }
 
@@ -275,8 +336,8 @@ impl MemoryStore {
         let index = (hash >> 32) as usize % SHARDS;
         let now = self.now();
         let mut shard = self.shards[index].lock();
-        let dropped = shard.expire(now, EXPIRE_PER_WRITE);
-        self.forget(dropped);
+        let dropped = shard.expire(now, EXPIRE_PER_WRITE, self.capacity);
+        self.forget(dropped.cost);
         f(&mut shard, hash, now)
     }
 
@@ -301,12 +362,16 @@ impl MemoryStore {
         })
     }
 
-    /// Room for one more record: always without a bound; else counts it in.
-    fn admit(&self) -> bool {
-        let Some(capacity) = self.capacity else { return true };
+    /// Room for a new record costing `cost`: always without a bound; else counts it
+    /// in.
+    fn admit(&self, cost: usize) -> bool {
+        let limit = match self.capacity {
+            None => return true,
+            Some(Capacity::Records(n) | Capacity::Bytes(n)) => n,
+        };
         self.held
             .fetch_update(atomic::Ordering::Relaxed, atomic::Ordering::Relaxed, |held| {
-                (held < capacity).then_some(held + 1)
+                held.checked_add(cost).filter(|&after| after <= limit)
             })
             .is_ok()
     }
@@ -331,8 +396,9 @@ impl MemoryStore {
                 queued,
                 fingerprint: fingerprint.map(|f| Box::new(*f)),
             };
+            let bound = self.capacity;
             let Some(entry) = shard.find(hash, key) else {
-                if !self.admit() {
+                if !self.admit(cost(bound, key.as_bytes().len(), fingerprint.is_some(), 0)) {
                     return None;
                 }
                 // Looked at again when the lease ends or, if sooner, when a completion
@@ -346,15 +412,17 @@ impl MemoryStore {
                 shard.enqueue(check, hash);
                 return Some(Claim::Won { token, attempt: 1, fence: Some(shard.fence(hash)) });
             };
-            let record = &mut entry.record;
-            if record.expires_at <= now {
+            if entry.record.expires_at <= now {
                 // Expired, not yet dropped: a first claim again, in the same slot.
-                *record = fresh(record.queued);
-                if let Some(earlier) = record.requeue() {
+                let before = entry.cost(bound);
+                entry.record = fresh(entry.record.queued);
+                self.regrow(before, entry.cost(bound));
+                if let Some(earlier) = entry.record.requeue() {
                     shard.enqueue(earlier, hash);
                 }
                 return Some(Claim::Won { token, attempt: 1, fence: Some(shard.fence(hash)) });
             }
+            let record = &mut entry.record;
             if let (Some(held), Some(given)) = (&record.fingerprint, fingerprint) {
                 if **held != *given {
                     return Some(Claim::Mismatch);
@@ -376,8 +444,9 @@ impl MemoryStore {
                     record.attempts += 1;
                     record.state = in_progress();
                     record.expires_at = record.expires_at.max(retain_until);
-                    if record.fingerprint.is_none() {
+                    if record.fingerprint.is_none() && fingerprint.is_some() {
                         record.fingerprint = fingerprint.map(|f| Box::new(*f));
+                        self.regrow(0, cost(bound, 0, true, 0) - cost(bound, 0, false, 0));
                     }
                     let attempt = record.attempts;
                     won(shard, attempt)
@@ -404,10 +473,10 @@ impl Shard {
     }
 
     /// Handles up to `limit` entries of slots that have passed: drops the records that
-    /// expired, queues the others again in their expiry's slot. Returns how many were
-    /// dropped.
-    fn expire(&mut self, now: Tick, limit: usize) -> usize {
-        let mut dropped = 0;
+    /// expired, queues the others again in their expiry's slot. Returns what was
+    /// dropped, its cost counted against `bound`.
+    fn expire(&mut self, now: Tick, limit: usize, bound: Option<Capacity>) -> Dropped {
+        let mut dropped = Dropped::default();
         for _ in 0..limit {
             let Some(mut first) = self.queue.first_entry() else { break };
             let passed = *first.key();
@@ -422,35 +491,51 @@ impl Shard {
                 }
             }
             let Some(hash) = hash else { continue };
-            dropped += self.look_at(hash, passed, now);
+            dropped = dropped + self.look_at(hash, passed, now, bound);
         }
         dropped
     }
 
     /// An entry of slot `passed` for `hash` is due: a record with that hash whose live
     /// entry is in that slot is dropped if it expired, else queued again at its
-    /// expiry. Returns how many were dropped (0 or 1). Two keys whose hashes collide
-    /// each have their own entry, so each pop handles one of them.
-    fn look_at(&mut self, hash: u64, passed: u64, now: Tick) -> usize {
+    /// expiry. Returns what was dropped (none or one record). Two keys whose hashes
+    /// collide each have their own entry, so each pop handles one of them.
+    fn look_at(&mut self, hash: u64, passed: u64, now: Tick, bound: Option<Capacity>) -> Dropped {
         let live = |e: &Entry| e.hash == hash && e.record.queued == passed;
-        let Ok(entry) = self.records.find_entry(hash, live) else { return 0 };
+        let Ok(entry) = self.records.find_entry(hash, live) else { return Dropped::default() };
         if entry.get().record.expires_at <= now {
+            let cost = entry.get().cost(bound);
             entry.remove();
-            return 1;
+            return Dropped { records: 1, cost };
         }
         let record = &mut entry.into_mut().record;
         record.queued = slot(record.expires_at.min(now + MAX_AHEAD));
         let queued = record.queued;
         self.enqueue(queued, hash);
-        0
+        Dropped::default()
     }
 
     /// Looks at the entries of the current slot as if it had passed: drops the
     /// records that have expired, queues the others again.
-    fn expire_current(&mut self, now: Tick) -> usize {
+    fn expire_current(&mut self, now: Tick, bound: Option<Capacity>) -> Dropped {
         let current = slot(now);
-        let Some(hashes) = self.queue.remove(&current) else { return 0 };
-        hashes.into_iter().map(|hash| self.look_at(hash, current, now)).sum()
+        let Some(hashes) = self.queue.remove(&current) else { return Dropped::default() };
+        let each = hashes.into_iter().map(|hash| self.look_at(hash, current, now, bound));
+        each.fold(Dropped::default(), |a, b| a + b)
+    }
+}
+
+/// Records dropped, and what they counted against the store's bound.
+#[derive(Debug, Default, Clone, Copy, PartialEq)]
+struct Dropped {
+    records: usize,
+    cost: usize,
+}
+
+impl std::ops::Add for Dropped {
+    type Output = Dropped;
+    fn add(self, other: Dropped) -> Dropped {
+        Dropped { records: self.records + other.records, cost: self.cost + other.cost }
     }
 }
 
@@ -492,8 +577,9 @@ impl Store for MemoryStore {
         // Full: drop what is due everywhere (in time proportional to it), then try
         // once more.
         self.drop_due();
-        self.try_claim(key, lease, ttl, fingerprint)
-            .ok_or(StoreError::Full { capacity: self.capacity.unwrap_or(usize::MAX) })
+        self.try_claim(key, lease, ttl, fingerprint).ok_or(StoreError::Full {
+            capacity: self.capacity.unwrap_or(Capacity::Records(usize::MAX)),
+        })
     }
 
     async fn complete(
@@ -503,10 +589,17 @@ impl Store for MemoryStore {
         ttl: Duration,
         result: Option<&[u8]>,
     ) -> Result<Transition, StoreError> {
-        Ok(self.transition(key, token, |record, now| {
+        let done = self.transition(key, token, |record, now| {
             record.state = State::Done(result.map(Box::from));
             record.expires_at = later(now, ttl);
-        }))
+        });
+        if let (Transition::Applied, Some(result)) = (done, result) {
+            self.regrow(
+                0,
+                cost(self.capacity, 0, false, result.len()) - cost(self.capacity, 0, false, 0),
+            );
+        }
+        Ok(done)
     }
 
     async fn release(&self, key: &Key, token: Token) -> Result<Transition, StoreError> {
@@ -621,8 +714,9 @@ impl admin::Admin for MemoryStore {
             }
         }
         // Its queue entry is left behind: a stale entry finds no record and is skipped.
+        let cost = entry.get().cost(self.capacity);
         entry.remove();
-        self.forget(1);
+        self.forget(cost);
         Ok(admin::Released::Released)
     }
 
@@ -841,7 +935,10 @@ mod tests {
         let _ = store.complete(&key(0), tokens[0], TTL, None).await.unwrap();
         let _ = store.release(&key(1), tokens[1]).await.unwrap();
         let refused = store.claim(&key(100), short, TTL, None).await.unwrap_err();
-        assert!(matches!(refused, StoreError::Full { capacity: 100 }), "{refused}");
+        assert!(
+            matches!(refused, StoreError::Full { capacity: Capacity::Records(100) }),
+            "{refused}"
+        );
         assert!(!refused.is_permanent(), "retried later, not dead-lettered");
         // Keys it holds are answered as usual: a duplicate, a retry, a live claim.
         assert_eq!(store.claim(&key(0), short, TTL, None).await.unwrap(), Claim::Done);
@@ -862,6 +959,48 @@ mod tests {
         ));
         store.purge_expired();
         assert_eq!((store.len(), store.held.load(atomic::Ordering::Relaxed)), (1, 1));
+    }
+
+    /// A store bounded by bytes counts what a hostile producer or a large result makes
+    /// a record cost: 60 KB ids fill it after a few records, a cached result counts
+    /// once recorded (never refused), and expiry gives every byte back.
+    #[tokio::test(start_paused = true)]
+    async fn a_memory_limit_counts_long_keys_and_cached_results() {
+        let limit = 1024 * 1024;
+        let store = MemoryStore::with_memory_limit(limit);
+        let short = Duration::from_secs(1);
+        let long_key = |i: u32| Key::new("ns", format!("{i:0>60000}")).unwrap();
+        let mut held = 0;
+        while store.claim(&long_key(held), short, short, None).await.is_ok() {
+            held += 1;
+        }
+        assert_eq!(held as usize, limit / (RECORD_BYTES + 60_003), "60 KB ids");
+        let refused = store.claim(&long_key(held), short, short, None).await.unwrap_err();
+        assert!(
+            matches!(refused, StoreError::Full { capacity: Capacity::Bytes(l) } if l == limit),
+            "{refused}"
+        );
+        assert!(refused.to_string().contains("1048576 bytes of records"), "{refused}");
+        tokio::time::advance(short * 2).await;
+        store.purge_expired();
+        assert_eq!(store.held.load(atomic::Ordering::Relaxed), 0, "every byte given back");
+
+        // Short keys: a result recorded past the bound is kept (its DONE stands), and
+        // new keys wait until it expires.
+        let key = |i: u32| Key::new("ns", i.to_string()).unwrap();
+        let (token, _) = won(store.claim(&key(0), short, short, None).await.unwrap());
+        let result = vec![7u8; limit];
+        let done = store.complete(&key(0), token, short, Some(&result)).await.unwrap();
+        assert_eq!(done, Transition::Applied);
+        assert_eq!(store.claim(&key(0), short, short, None).await.unwrap(), Claim::Cached(result));
+        assert!(store.claim(&key(1), short, short, None).await.is_err(), "full of the result");
+        tokio::time::advance(short * 2).await;
+        assert!(matches!(
+            store.claim(&key(1), short, short, None).await.unwrap(),
+            Claim::Won { .. }
+        ));
+        store.purge_expired();
+        assert_eq!(store.held.load(atomic::Ordering::Relaxed), RECORD_BYTES);
     }
 
     /// A ttl far shorter than the lease moves each record's expiry earlier than its
@@ -927,11 +1066,11 @@ mod tests {
         let b = Key::new("ns", "b").unwrap();
         assert_eq!(shard.find(hash, &b).unwrap().record.expires_at, second * 3);
         // Slot 0 has passed: `a` expired, `b` moves to its expiry's slot.
-        assert_eq!(shard.expire(second + 1, usize::MAX), 1);
+        assert_eq!(shard.expire(second + 1, usize::MAX, None).records, 1);
         assert!(shard.find(hash, &a).is_none());
         assert_eq!(shard.find(hash, &b).unwrap().record.queued, 3);
         assert_eq!(shard.queue.keys().copied().collect::<Vec<_>>(), [3]);
-        assert_eq!(shard.expire(second * 4, usize::MAX), 1);
+        assert_eq!(shard.expire(second * 4, usize::MAX, None).records, 1);
         assert!(shard.records.is_empty() && shard.queue.is_empty());
     }
 
