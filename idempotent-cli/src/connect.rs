@@ -8,7 +8,8 @@ use idempotent_runtime::{MysqlStore, PostgresStore, RedisStore, ZooKeeperStore, 
 use crate::{Exit, Failure};
 
 /// The URL schemes, for error messages.
-const SCHEMES: &str = "redis://, rediss://, redis+cluster://, rediss+cluster://, postgres://, \
+const SCHEMES: &str = "redis://, rediss://, redis+cluster://, rediss+cluster://, \
+    redis+sentinel://, rediss+sentinel://, postgres://, \
     postgresql://, mysql://, mariadb://, zk://, zookeeper://";
 
 /// How long reaching the store may take before the command gives up.
@@ -29,6 +30,16 @@ pub async fn connect(url: &str, at: Option<&str>) -> Result<Box<dyn Admin>, Fail
             "redis" | "rediss" => Box::new(redis_options(&at).connect(url.as_str()).await?),
             "redis+cluster" | "rediss+cluster" => {
                 Box::new(redis_options(&at).cluster(cluster_nodes(scheme, rest)).await?)
+            }
+            "redis+sentinel" | "rediss+sentinel" => {
+                let Some(target) = sentinel_target(scheme, rest) else {
+                    return Ok(Err(scheme));
+                };
+                let mut options = redis_options(&at);
+                if let Some((user, password)) = target.credentials {
+                    options = options.master_credentials(user, password);
+                }
+                Box::new(options.sentinel(target.sentinels, target.master).await?)
             }
             "postgres" | "postgresql" => {
                 let store = PostgresStore::connect(&url).await?;
@@ -64,10 +75,13 @@ pub async fn connect(url: &str, at: Option<&str>) -> Result<Box<dyn Admin>, Fail
         Ok(Ok(Err(""))) => {
             Err(usage(format!("`{scheme}://` is not a store this tool knows; one of {SCHEMES}")))
         }
-        Ok(Ok(Err(scheme))) => Err(usage(format!(
-            "`{shown}` is not a {scheme}:// URL: expected \
-             {scheme}://[user:password@]host:port,host:port/root (with no parameters but `at`)"
-        ))),
+        Ok(Ok(Err(scheme))) => {
+            let path = if scheme.ends_with("+sentinel") { "master-name" } else { "root" };
+            Err(usage(format!(
+                "`{shown}` is not a {scheme}:// URL: expected \
+                 {scheme}://[user:password@]host:port,host:port/{path} (with no parameters but `at`)"
+            )))
+        }
         Ok(Err(error)) => {
             Err(Failure(Exit::Store, format!("cannot use the store at {shown}: {error}")))
         }
@@ -88,6 +102,45 @@ fn cluster_nodes(scheme: &str, rest: &str) -> Vec<String> {
     };
     let (hosts, tail) = hosts.split_once('/').unwrap_or((hosts, ""));
     hosts.split(',').map(|host| format!("{plain}://{auth}{host}/{tail}")).collect()
+}
+
+/// Where a `redis+sentinel://[user:password@]host:port,host:port/master-name` URL
+/// points: the Sentinels (each given the credentials, for Sentinels that ask for
+/// them), the name they know the master by, and the credentials for the master
+/// (percent-decoded; an empty user is `default`).
+#[derive(Debug, PartialEq)]
+struct SentinelTarget {
+    sentinels: Vec<String>,
+    master: String,
+    credentials: Option<(String, String)>,
+}
+
+/// The target of a Sentinel URL's `rest` (after the scheme); `None` for a URL of
+/// another shape (no master name, parameters, a path beyond the name).
+fn sentinel_target(scheme: &str, rest: &str) -> Option<SentinelTarget> {
+    let plain = scheme.trim_end_matches("+sentinel");
+    let (auth, hosts) = match rest.rfind('@') {
+        Some(at) => rest.split_at(at + 1),
+        None => ("", rest),
+    };
+    let (hosts, master) = hosts.split_once('/')?;
+    if master.is_empty() || master.contains(['/', '?']) || hosts.is_empty() {
+        return None;
+    }
+    let credentials = match auth.strip_suffix('@') {
+        None => None,
+        Some(userinfo) => {
+            let (user, password) = userinfo.split_once(':').unwrap_or((userinfo, ""));
+            let decode = |part: &str| {
+                percent_encoding::percent_decode_str(part).decode_utf8().ok().map(String::from)
+            };
+            let user = decode(user)?;
+            let user = if user.is_empty() { "default".to_owned() } else { user };
+            Some((user, decode(password)?))
+        }
+    };
+    let sentinels = hosts.split(',').map(|host| format!("{plain}://{auth}{host}/")).collect();
+    Some(SentinelTarget { sentinels, master: master.to_owned(), credentials })
 }
 
 /// Where a `zk://[user:password@]host:port,host:port/root` URL points.
@@ -223,6 +276,30 @@ mod tests {
             ["rediss://u:p@h1:7000/0", "rediss://u:p@h2:7001/0"]
         );
         assert_eq!(cluster_nodes("redis+cluster", "h1:7000"), ["redis://h1:7000/"]);
+    }
+
+    #[test]
+    fn sentinel_urls_give_sentinels_master_and_credentials() {
+        let target =
+            sentinel_target("redis+sentinel", "ops:p%40ss@s1:26379,s2:26379/orders-master");
+        assert_eq!(
+            target,
+            Some(SentinelTarget {
+                sentinels: vec![
+                    "redis://ops:p%40ss@s1:26379/".into(),
+                    "redis://ops:p%40ss@s2:26379/".into()
+                ],
+                master: "orders-master".into(),
+                credentials: Some(("ops".into(), "p@ss".into())),
+            })
+        );
+        let plain = sentinel_target("rediss+sentinel", ":pw@s1:26379/m").unwrap();
+        assert_eq!(plain.sentinels, ["rediss://:pw@s1:26379/"]);
+        assert_eq!(plain.credentials, Some(("default".into(), "pw".into())));
+        assert_eq!(sentinel_target("redis+sentinel", "s1:26379/m").unwrap().credentials, None);
+        for bad in ["s1:26379", "s1:26379/", "s1:26379/m/0", "/m", "s1:26379/m?x=1"] {
+            assert_eq!(sentinel_target("redis+sentinel", bad), None, "{bad}");
+        }
     }
 
     #[test]

@@ -22,7 +22,7 @@ use idempotent_runtime::store::admin::{self, Admin, Filter, Released};
 #[command(name = "idempotent", version, max_term_width = 100)]
 struct Cli {
     /// Where the records are: redis://host:port/db, rediss://..., redis+cluster://host:port,host:port,
-    /// postgres://user@host/db, mysql://user@host/db, zk://[user:password@]host:port,host:port/root.
+    /// redis+sentinel://[user:password@]host:port,host:port/master-name, postgres://user@host/db, mysql://user@host/db, zk://[user:password@]host:port,host:port/root.
     #[arg(long, env = "IDEMPOTENT_STORE", global = true, hide_env_values = true)]
     store: Option<String>,
     /// Where in the store, when not the default: the Redis key prefix (idempotent), the

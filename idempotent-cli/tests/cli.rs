@@ -170,6 +170,54 @@ fn a_session_on_redis() {
     });
 }
 
+/// The same session through a Redis Sentinel of the test's own that monitors the
+/// machine's Redis: the command asks the Sentinel for the master and works there.
+#[test]
+fn a_session_through_sentinel() {
+    let url = std::env::var("REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".to_owned());
+    let master =
+        url.trim_start_matches("redis://").split('/').next().unwrap_or_default().to_owned();
+    let Some((host, port)) = master.rsplit_once(':') else { panic!("REDIS_URL {url} has no port") };
+    let sentinel_port =
+        std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let dir = std::env::temp_dir().join(format!("idempotent-cli-sentinel-{sentinel_port}"));
+    std::fs::create_dir_all(&dir).unwrap();
+    let conf = dir.join("sentinel.conf");
+    std::fs::write(
+        &conf,
+        format!(
+            "port {sentinel_port}\nbind 127.0.0.1\ndir {}\nsentinel monitor cli-orders {host} {port} 1\n",
+            dir.display()
+        ),
+    )
+    .unwrap();
+    let child = Command::new("redis-server").arg(&conf).arg("--sentinel").spawn();
+    let Ok(child) = child else { return unreachable("redis-server", "not installed") };
+    struct Killed(std::process::Child, std::path::PathBuf);
+    impl Drop for Killed {
+        fn drop(&mut self) {
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+            let _ = std::fs::remove_dir_all(&self.1);
+        }
+    }
+    let _sentinel = Killed(child, dir);
+    runtime().block_on(async {
+        let store = match RedisStore::connect(url.as_str()).await {
+            Ok(store) => store,
+            Err(error) => return unreachable("Redis", error),
+        };
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        while std::net::TcpStream::connect(("127.0.0.1", sentinel_port)).is_err() {
+            assert!(std::time::Instant::now() < deadline, "the Sentinel did not start");
+            tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+        }
+        let prefix = fresh("cli-sentinel-");
+        let through = format!("redis+sentinel://127.0.0.1:{sentinel_port}/cli-orders");
+        session(&store.with_prefix(prefix.as_str()), &through, &prefix).await;
+    });
+}
+
 #[test]
 fn a_session_on_postgres() {
     let url = std::env::var("DATABASE_URL")
@@ -256,6 +304,13 @@ fn bad_urls_and_unreachable_stores_say_so_without_the_password() {
         let said = String::from_utf8_lossy(&failed.stderr);
         assert!(!said.contains("ter2"), "{said}");
     }
+
+    let sentinel_down = run("redis+sentinel://app:hunter2@127.0.0.1:1/orders");
+    assert_eq!(code(&sentinel_down), 3, "{sentinel_down:?}");
+    assert!(!String::from_utf8_lossy(&sentinel_down.stderr).contains("hunter2"));
+    let no_master = run("redis+sentinel://127.0.0.1:1");
+    assert_eq!(code(&no_master), 2, "{no_master:?}");
+    assert!(String::from_utf8_lossy(&no_master.stderr).contains("/master-name"), "{no_master:?}");
 
     let pg_down = run("postgres://app:hunter2@127.0.0.1:1/db");
     assert_eq!(code(&pg_down), 3);
