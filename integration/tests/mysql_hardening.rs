@@ -298,3 +298,25 @@ async fn a_claim_waiting_on_a_commit_reads_the_committed_record() {
     assert_eq!(claim.unwrap(), Claim::Done);
     ledger.drop_tables().await;
 }
+
+/// A records table nobody made (`migrate()` forgotten, `with_table` mistyped): `check`
+/// and every claim answer `Misconfigured`, naming `migrate()`, so the call is retried,
+/// never dead-lettered, and says what to do instead of "store unavailable".
+#[tokio::test]
+async fn a_missing_records_table_says_to_run_migrate() {
+    let Some(pool) = mysql::pool(2).await else { return };
+    let store = MysqlStore::from_pool(pool).with_table(&mysql::table("never_made")).unwrap();
+    store.check_server().await.unwrap();
+    let checked = store.check().await.unwrap_err();
+    assert!(
+        matches!(&checked, idempotent::StoreError::Misconfigured(why) if why.contains("migrate()")),
+        "{checked}"
+    );
+    let key = Key::new("missing", "1").unwrap();
+    let claimed = store.claim(&key, Duration::from_secs(5), Duration::from_secs(60), None).await;
+    let err = claimed.unwrap_err();
+    assert!(
+        matches!(&err, idempotent::StoreError::Misconfigured(why) if why.contains("migrate()")),
+        "{err}"
+    );
+}

@@ -175,3 +175,133 @@ async fn keys_too_long_for_an_index_are_stored_hashed() {
     let sibling = Key::new("long", format!("{noise}!")).unwrap();
     assert!(matches!(ledger.store.claim(&sibling, lease, ttl, None).await, Ok(Claim::Won { .. })));
 }
+
+/// A pool whose `after_connect` sets the `search_path` (sqlx's own example of the
+/// hook) to the schema the records table is in, named without its schema: lease
+/// renewals run on connections of their own, which must get the same session, or
+/// every renewal misses the table, the lease lapses mid-handler and another consumer
+/// runs the message again.
+#[tokio::test]
+async fn renewals_get_the_session_after_connect_sets() {
+    use sqlx::Executor;
+    let Some(admin) = postgres::pool(2).await else { return };
+    let suffix = idempotent::testing::fresh_key("path").namespace().replace('-', "_");
+    let schema = format!("sp_{suffix}");
+    sqlx::query(AssertSqlSafe(format!("CREATE SCHEMA {schema}"))).execute(&admin).await.unwrap();
+    let url = std::env::var("DATABASE_URL")
+        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into());
+    let pool = |connections| {
+        let set = format!("SET search_path TO {schema}");
+        sqlx::postgres::PgPoolOptions::new()
+            .max_connections(connections)
+            .after_connect(move |conn, _| {
+                let set = set.clone();
+                Box::pin(async move { conn.execute(AssertSqlSafe(set)).await.map(drop) })
+            })
+            .connect(&url)
+    };
+    let (one, other) = (pool(1).await.unwrap(), pool(2).await.unwrap());
+    let store = PostgresStore::from_pool(one).with_table("records").unwrap();
+    store.migrate().await.unwrap();
+    let create = "CREATE TABLE ledger (message_id bigint NOT NULL)";
+    sqlx::query(create).execute(store.pool()).await.unwrap();
+    let ledger = Ledger { store, ledger: format!("{schema}.ledger") };
+    let rival = Ledger {
+        store: PostgresStore::from_pool(other).with_table("records").unwrap(),
+        ledger: ledger.ledger.clone(),
+    };
+    let running = slow_write(4, Duration::from_millis(1200), &ledger);
+    let probe = async {
+        tokio::time::sleep(Duration::from_millis(900)).await;
+        slow_write(4, Duration::ZERO, &rival).await
+    };
+    let (ran, probed) = tokio::join!(running, probe);
+    assert!(matches!(ran, Ok(Outcome::Processed(()))), "{ran:?}");
+    assert!(matches!(probed, Ok(Outcome::InProgress { .. })), "the lease lapsed: {probed:?}");
+    assert_eq!(ledger.rows(4).await, 1);
+    sqlx::query(AssertSqlSafe(format!("DROP SCHEMA {schema} CASCADE")))
+        .execute(&admin)
+        .await
+        .unwrap();
+}
+
+/// `migrate()` dropped at any moment (a start-up `timeout`, a `select!`), on a pool
+/// of one connection: that connection is never pooled inside a transaction, so every
+/// claim made on it afterwards is committed and seen by another connection.
+#[tokio::test]
+async fn migrate_dropped_midway_leaves_no_connection_inside_a_transaction() {
+    let (Some(one), Some(other)) = (postgres::pool(1).await, postgres::pool(1).await) else {
+        return;
+    };
+    let ledger = Ledger::open(one).await;
+    let store = &ledger.store;
+    let (lease, ttl) = (Duration::from_secs(30), Duration::from_secs(60));
+    let namespace = idempotent::testing::fresh_key("migrate").namespace().to_owned();
+    for i in 0..200u64 {
+        // Polled a few times, a millisecond apart, then dropped: at one of them its
+        // BEGIN has been sent and its answer not read yet.
+        poll_then_drop(store.migrate(), 1 + i as usize % 12).await;
+        let key = Key::new(&namespace, i.to_string()).unwrap();
+        assert!(matches!(store.claim(&key, lease, ttl, None).await.unwrap(), Claim::Won { .. }));
+    }
+    let sql = format!("SELECT count(*) FROM {} WHERE state = 'P'", ledger.table());
+    let seen: i64 = sqlx::query_scalar(AssertSqlSafe(sql)).fetch_one(&other).await.unwrap();
+    assert_eq!(seen, 200, "claims made on a connection left inside a transaction");
+}
+
+/// Polls `call` up to `times` times, a millisecond apart, then drops it.
+async fn poll_then_drop<F: std::future::Future>(call: F, times: usize) {
+    let mut call = std::pin::pin!(call);
+    for _ in 0..times {
+        if futures_util::poll!(call.as_mut()).is_ready() {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+}
+
+/// A records table nobody made (`migrate()` forgotten, `with_table` mistyped): `check`
+/// and every claim answer `Misconfigured`, naming `migrate()`, so the call is retried,
+/// never dead-lettered, and says what to do instead of "store unavailable".
+#[tokio::test]
+async fn a_missing_records_table_says_to_run_migrate() {
+    let Some(pool) = postgres::pool(2).await else { return };
+    let suffix = idempotent::testing::fresh_key("none").namespace().replace('-', "_");
+    let store = PostgresStore::from_pool(pool).with_table(&format!("never_made_{suffix}")).unwrap();
+    let checked = store.check().await.unwrap_err();
+    let misconfigured = |e: &idempotent::StoreError| matches!(e, idempotent::StoreError::Misconfigured(why) if why.contains("migrate()"));
+    assert!(misconfigured(&checked), "{checked}");
+    let key = Key::new("missing", "1").unwrap();
+    let claimed = store.claim(&key, Duration::from_secs(5), Duration::from_secs(60), None).await;
+    let err = claimed.unwrap_err();
+    assert!(misconfigured(&err), "{err}");
+}
+
+/// A transactional handler that idles inside its transaction past the database's
+/// `idle_in_transaction_session_timeout` (which the README recommends) has its session
+/// ended by the server (25P03): retried, not dead-lettered on its first attempt, and
+/// the redelivery writes once.
+#[tokio::test]
+async fn a_session_ended_for_idling_in_its_transaction_is_retried() {
+    let settings = [("idle_in_transaction_session_timeout", "300ms")];
+    let Some(pool) = postgres::pool_with(4, &settings).await else { return };
+    let ledger = Ledger::open(pool).await;
+    #[idempotent(key = "{id}", store = ledger.store, transactional, lease = "2s", namespace = "idle")]
+    async fn idle_then_write(
+        id: i64,
+        idle: Duration,
+        ledger: &Ledger,
+        tx: &mut Transaction<'_, Postgres>,
+    ) -> Result<(), LedgerError> {
+        ledger.write(id, tx).await?;
+        tokio::time::sleep(idle).await;
+        ledger.write(id, tx).await?;
+        Ok(())
+    }
+    let first = idle_then_write(5, Duration::from_millis(800), &ledger).await;
+    let err = first.unwrap_err();
+    assert!(err.is_retryable(), "dead-lettered: {err:?}");
+    let again = idle_then_write(5, Duration::ZERO, &ledger).await;
+    assert!(matches!(again, Ok(Outcome::Processed(()))), "{again:?}");
+    assert_eq!(ledger.rows(5).await, 2, "the redelivery's two rows, none of the first");
+}

@@ -124,6 +124,8 @@ impl std::fmt::Debug for MysqlStore {
 impl MysqlStore {
     /// Connects a pool of up to 10 connections to `url`
     /// (`mysql://user:password@host:port/database`).
+    /// Refuses a server whose settings would break the store's promise (see
+    /// [`check_server`](MysqlStore::check_server)).
     pub async fn connect(url: &str) -> Result<MysqlStore, StoreError> {
         let pool = MySqlPoolOptions::new()
             .max_connections(10)
@@ -131,7 +133,41 @@ impl MysqlStore {
             .connect(url)
             .await
             .map_err(StoreError::unavailable)?;
-        Ok(MysqlStore::from_pool(pool))
+        let store = MysqlStore::from_pool(pool);
+        store.check_server().await?;
+        Ok(store)
+    }
+
+    /// Checks the session the pool's connections get: a binary log in
+    /// `binlog_format=STATEMENT` can't log the READ COMMITTED transactions of
+    /// `transactional` handlers (error 1665 on every one), so it is refused with
+    /// [`StoreError::Misconfigured`], saying what to set. [`connect`](MysqlStore::connect)
+    /// runs it; call it after [`from_pool`](MysqlStore::from_pool).
+    pub async fn check_server(&self) -> Result<(), StoreError> {
+        let (log_bin, format): (i64, String) =
+            sqlx::query_as("SELECT @@log_bin, CAST(@@binlog_format AS CHAR)")
+                .fetch_one(&self.pool)
+                .await
+                .map_err(sql::store_error)?;
+        match binlog_refusal(log_bin != 0, &format) {
+            Some(why) => Err(StoreError::Misconfigured(why)),
+            None => Ok(()),
+        }
+    }
+
+    /// [`check_server`](MysqlStore::check_server), and that the records table is
+    /// there with every column the store uses: a missing one is
+    /// [`StoreError::Misconfigured`], naming [`migrate`](MysqlStore::migrate). Run it
+    /// at start-up when the table is made by a migration tool of your own.
+    pub async fn check(&self) -> Result<(), StoreError> {
+        self.check_server().await?;
+        let probe = format!(
+            "SELECT `key`, state, attempts, token, lease_until, expires_at, fingerprint, result \
+             FROM {} WHERE 1 = 0",
+            self.sql.quoted
+        );
+        sqlx::query(AssertSqlSafe(probe)).execute(&self.pool).await.map_err(sql::store_error)?;
+        Ok(())
     }
 
     /// Uses a pool configured by the caller. Its connections must be in autocommit
@@ -196,7 +232,7 @@ impl MysqlStore {
             .execute(&self.pool)
             .await
             .map_err(StoreError::unavailable)?;
-        Ok(())
+        self.check().await
     }
 
     /// Deletes up to `batch` expired records; returns how many.
@@ -420,6 +456,17 @@ enum ClaimMode {
     Alone,
     InTransaction,
 }
+/// Why a server whose binary log is on (`log_bin`) in `format` is refused, if it is.
+fn binlog_refusal(log_bin: bool, format: &str) -> Option<String> {
+    (log_bin && format.eq_ignore_ascii_case("STATEMENT")).then(|| {
+        "the server logs statements (binlog_format=STATEMENT), which it can't do for the \
+         READ COMMITTED transactions of transactional handlers (error 1665, on every \
+         message): set binlog_format=ROW (or MIXED), for the server or in the pool's \
+         after_connect"
+            .to_owned()
+    })
+}
+
 use ClaimMode::{Alone, InTransaction};
 
 fn is_deadlock(error: &sqlx::Error) -> bool {
@@ -949,6 +996,16 @@ impl Store for MysqlStore {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn a_statement_binary_log_is_refused_with_what_to_set() {
+        let why = super::binlog_refusal(true, "STATEMENT").unwrap();
+        assert!(why.contains("binlog_format=ROW"), "{why}");
+        assert!(super::binlog_refusal(true, "statement").is_some());
+        for (on, format) in [(true, "ROW"), (true, "MIXED"), (false, "STATEMENT")] {
+            assert_eq!(super::binlog_refusal(on, format), None, "{on} {format}");
+        }
+    }
+
     use super::*;
 
     #[test]

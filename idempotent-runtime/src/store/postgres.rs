@@ -176,7 +176,7 @@ CREATE INDEX IF NOT EXISTS {index}_expires_at ON {t} (expires_at);"
     /// Creates the table and its index if they do not exist. Holds an advisory lock
     /// while it does, so concurrent callers do not race.
     pub async fn migrate(&self) -> Result<(), StoreError> {
-        let mut tx = self.pool.begin().await.map_err(StoreError::unavailable)?;
+        let mut tx = sql::begin_detached(&self.pool).await?;
         sqlx::query("SELECT pg_advisory_xact_lock(hashtext($1))")
             .bind(&self.sql.table)
             .execute(&mut *tx)
@@ -186,7 +186,22 @@ CREATE INDEX IF NOT EXISTS {index}_expires_at ON {t} (expires_at);"
             .execute(&mut *tx)
             .await
             .map_err(StoreError::unavailable)?;
-        tx.commit().await.map_err(StoreError::unavailable)
+        tx.commit().await.map_err(StoreError::unavailable)?;
+        self.check().await
+    }
+
+    /// Checks that the records table is there with every column the store uses: a
+    /// missing one is [`StoreError::Misconfigured`], naming
+    /// [`migrate`](PostgresStore::migrate). [`migrate`](PostgresStore::migrate) runs
+    /// it; run it at start-up when the table is made by a migration tool of your own.
+    pub async fn check(&self) -> Result<(), StoreError> {
+        let probe = format!(
+            "SELECT key, state, attempts, token, lease_until, expires_at, fingerprint, result \
+             FROM {} LIMIT 0",
+            self.sql.table
+        );
+        sqlx::query(AssertSqlSafe(probe)).execute(&self.pool).await.map_err(sql::store_error)?;
+        Ok(())
     }
 
     /// Deletes up to `batch` expired records; returns how many.

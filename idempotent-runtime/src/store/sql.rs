@@ -17,15 +17,36 @@ pub const PURGE_BATCH: i64 = 1000;
 /// How many connections lease renewals keep, beside the pool.
 pub const RENEWAL_CONNECTIONS: u32 = 2;
 
-/// Lease renewals' own connections, with `pool`'s connect options, opened on first
-/// use: a renewal must not wait behind the handlers whose leases it keeps, which hold
-/// the pool's connections for their transactions.
+/// Lease renewals' own connections, opened on first use: a renewal must not wait
+/// behind the handlers whose leases it keeps, which hold the pool's connections for
+/// their transactions. With `pool`'s connect options and its pool options, hooks
+/// included: a session set up in `after_connect` (a `search_path`, a session
+/// variable) is the renewals' session too, or their statements would miss the table
+/// and the lease would lapse while the handler runs.
 pub(crate) fn renewal_pool<DB: sqlx::Database>(pool: &sqlx::Pool<DB>) -> sqlx::Pool<DB> {
-    sqlx::pool::PoolOptions::<DB>::new()
+    pool.options()
+        .clone()
         .min_connections(1)
         .max_connections(RENEWAL_CONNECTIONS)
         .acquire_timeout(Duration::from_secs(5))
         .connect_lazy_with((*pool.connect_options()).clone())
+}
+
+/// Begins a transaction on a connection of `pool` in a task of its own, so that it
+/// always finishes: sqlx counts a transaction as open only once the server answered
+/// its `BEGIN`, so a begin dropped halfway (a start-up `timeout`, a `select!`) would
+/// pool the connection inside a transaction nothing rolls back, and the claims and
+/// records later written on it would stay invisible. Begun after nobody waits for it,
+/// the transaction is dropped, which rolls it back.
+#[cfg(feature = "postgres")]
+pub(crate) async fn begin_detached<DB: sqlx::Database>(
+    pool: &sqlx::Pool<DB>,
+) -> Result<sqlx::Transaction<'static, DB>, StoreError> {
+    let pool = pool.clone();
+    match tokio::spawn(async move { pool.begin().await }).await {
+        Ok(begun) => begun.map_err(StoreError::unavailable),
+        Err(join) => Err(StoreError::unavailable(join)),
+    }
 }
 
 /// Accepts `name` or `schema.name` made of ASCII letters, digits and `_`, not starting
@@ -76,17 +97,55 @@ where
 /// 22 on both databases; a row or value too large for MySQL) is
 /// [`StoreError::Rejected`], so the message is dead-lettered instead of retried for
 /// ever; anything else is [`StoreError::Unavailable`].
+///
+/// A records table that is missing or lacks a column (PostgreSQL's 42P01 and 42703,
+/// MySQL's 1146 and 1054), and a user refused the table (42501, 1142) are
+/// [`StoreError::Misconfigured`], with what to do: retried, never dead-lettered, and
+/// logged at ERROR (at most once a minute), since no claim can succeed until someone
+/// acts, and the message's attempts are never counted meanwhile.
 pub(crate) fn store_error(error: sqlx::Error) -> StoreError {
     if let sqlx::Error::Database(db) = &error {
         let code = db.code();
         let class = |c: &str| code.as_deref().is_some_and(|code| code.starts_with(c));
+        let number = mysql_number(&**db);
         // Data too long, row size too large, out of range, incorrect value.
-        let mysql_data = mysql_number(&**db).is_some_and(|n| [1406, 1118, 1264, 1366].contains(&n));
+        let mysql_data = number.is_some_and(|n| [1406, 1118, 1264, 1366].contains(&n));
         if class("54") || class("22") || mysql_data {
             return StoreError::Rejected(Box::new(error));
         }
+        let what = match (code.as_deref(), number) {
+            (_, Some(1146 | 1054)) | (Some("42P01" | "42703"), None) => Some(
+                "the records table is missing or is not the one this version needs: \
+                 run the store's `migrate()` (or apply `migration_sql()`), and check the \
+                 name given to `with_table` and the connection's schema or `search_path`",
+            ),
+            (_, Some(1142)) | (Some("42501"), None) => Some(
+                "the database user may not use the records table: grant it SELECT, \
+                 INSERT, UPDATE and DELETE on the table",
+            ),
+            _ => None,
+        };
+        if let Some(what) = what {
+            let text = format!("{what} ({error})");
+            log_misconfigured(&text);
+            return StoreError::Misconfigured(text);
+        }
     }
     StoreError::unavailable(error)
+}
+
+/// Logs a configuration error at ERROR, at most once a minute for the process.
+fn log_misconfigured(text: &str) {
+    static LAST: std::sync::Mutex<Option<std::time::Instant>> = std::sync::Mutex::new(None);
+    let now = std::time::Instant::now();
+    let mut last = LAST.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+    if last.is_none_or(|at| now.duration_since(at) >= Duration::from_secs(60)) {
+        *last = Some(now);
+        tracing::error!(
+            error = text,
+            "the SQL store can't record anything; every claim is refused until this is fixed"
+        );
+    }
 }
 
 /// Whether the statement gave up waiting for a row lock (PostgreSQL's SQLSTATE 55P03,
@@ -113,10 +172,14 @@ fn mysql_number(_: &dyn sqlx::error::DatabaseError) -> Option<u16> {
 /// connections (1040, 1203), server shutting down (1053), statement interrupted or
 /// timed out (1317, 1969, 3024), connection killed (1927) or closed for inactivity
 /// (4031), a server that is read-only for now, as during a failover (1290, 1792,
-/// 1836), and a write to a row changed since the transaction's snapshot under
-/// MariaDB's `innodb_snapshot_isolation` (1020, on by default from 11.6.2).
-const MYSQL_RETRYABLE: [u16; 14] =
-    [1205, 1213, 1040, 1203, 1053, 1317, 1969, 3024, 1927, 4031, 1290, 1792, 1836, 1020];
+/// 1836), a write to a row changed since the transaction's snapshot under
+/// MariaDB's `innodb_snapshot_isolation` (1020, on by default from 11.6.2), and a
+/// statement that `binlog_format=STATEMENT` can't log at the READ COMMITTED the
+/// transactional mode begins at (1665): a setting of the server, which the store
+/// refuses at connect, so a message that meets it waits for the server to be fixed
+/// rather than being dead-lettered.
+const MYSQL_RETRYABLE: [u16; 15] =
+    [1205, 1213, 1040, 1203, 1053, 1317, 1969, 3024, 1927, 4031, 1290, 1792, 1836, 1020, 1665];
 
 /// A duration in whole milliseconds for SQL parameters: at least 1, at most
 /// `Spec::MAX_DURATION` (100 years: a PostgreSQL interval ends at about 178 million
@@ -129,7 +192,9 @@ pub(crate) fn millis(d: Duration) -> i64 {
 /// Database errors by SQLSTATE class: serialization failures and deadlocks (40),
 /// lost connections (08), exhausted resources (53), operator intervention such as
 /// a terminated backend (57), interrupted statements (70, MySQL's `KILL QUERY` and
-/// statement timeouts) and lock timeouts (55P03) retry, as do the MySQL errors listed
+/// statement timeouts), lock timeouts (55P03), a session ended for idling inside its
+/// transaction (25P03, `idle_in_transaction_session_timeout`) and a server that is
+/// read-only for now, as during a failover (25006), retry, as do the MySQL errors listed
 /// by number in `MYSQL_RETRYABLE` whose SQLSTATE is the catch-all `HY000`; constraint
 /// violations (23), bad data (22) and the rest are terminal. Connection, pool and I/O
 /// errors retry; decoding and "row not found" errors are terminal.
@@ -142,7 +207,7 @@ impl crate::Classify for sqlx::Error {
                 let code = code.as_deref().unwrap_or("");
                 let retryable =
                     ["40", "08", "53", "57", "70"].iter().any(|class| code.starts_with(class))
-                        || code == "55P03"
+                        || ["55P03", "25P03", "25006"].contains(&code)
                         || mysql_number(&**e).is_some_and(|n| MYSQL_RETRYABLE.contains(&n));
                 if retryable { Retryable } else { Terminal }
             }
@@ -153,6 +218,93 @@ impl crate::Classify for sqlx::Error {
             | sqlx::Error::PoolClosed
             | sqlx::Error::WorkerCrashed => Retryable,
             _ => Terminal,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::borrow::Cow;
+
+    use super::*;
+    use crate::{Classify, ErrorClass};
+
+    /// A database error with only a SQLSTATE, as PostgreSQL reports them.
+    #[derive(Debug)]
+    struct State(&'static str);
+
+    impl std::fmt::Display for State {
+        fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            write!(f, "SQLSTATE {}", self.0)
+        }
+    }
+
+    impl std::error::Error for State {}
+
+    impl sqlx::error::DatabaseError for State {
+        fn message(&self) -> &str {
+            self.0
+        }
+        fn code(&self) -> Option<Cow<'_, str>> {
+            Some(Cow::Borrowed(self.0))
+        }
+        fn as_error(&self) -> &(dyn std::error::Error + Send + Sync + 'static) {
+            self
+        }
+        fn as_error_mut(&mut self) -> &mut (dyn std::error::Error + Send + Sync + 'static) {
+            self
+        }
+        fn into_error(self: Box<Self>) -> Box<dyn std::error::Error + Send + Sync + 'static> {
+            self
+        }
+        fn kind(&self) -> sqlx::error::ErrorKind {
+            sqlx::error::ErrorKind::Other
+        }
+    }
+
+    fn error(code: &'static str) -> sqlx::Error {
+        sqlx::Error::Database(Box::new(State(code)))
+    }
+
+    /// Every SQLSTATE the stores and handlers meet, in one table: how a handler's
+    /// error is classed, and what a store's own statement failing with it is.
+    #[test]
+    fn each_sqlstate_is_classed_deliberately() {
+        use ErrorClass::{Retryable, Terminal};
+        #[derive(Debug, PartialEq)]
+        enum Store {
+            Unavailable,
+            Misconfigured,
+            Rejected,
+        }
+        let table = [
+            ("40001", Retryable, Store::Unavailable), // serialization failure
+            ("40P01", Retryable, Store::Unavailable), // deadlock
+            ("08006", Retryable, Store::Unavailable), // connection failure
+            ("53300", Retryable, Store::Unavailable), // too many connections
+            ("57P01", Retryable, Store::Unavailable), // admin shutdown
+            ("55P03", Retryable, Store::Unavailable), // lock not available
+            ("25P03", Retryable, Store::Unavailable), // idle in transaction timeout
+            ("25006", Retryable, Store::Unavailable), // read-only (failover)
+            ("42P01", Terminal, Store::Misconfigured), // undefined table
+            ("42703", Terminal, Store::Misconfigured), // undefined column
+            ("42501", Terminal, Store::Misconfigured), // insufficient privilege
+            ("23505", Terminal, Store::Unavailable),  // unique violation
+            ("22001", Terminal, Store::Rejected),     // string too long
+            ("54000", Terminal, Store::Rejected),     // program limit
+        ];
+        for (code, class, store) in table {
+            assert_eq!(error(code).class(), class, "{code}");
+            let got = match store_error(error(code)) {
+                StoreError::Unavailable(_) => Store::Unavailable,
+                StoreError::Misconfigured(text) => {
+                    assert!(text.contains("migrate()") || text.contains("grant"), "{text}");
+                    Store::Misconfigured
+                }
+                StoreError::Rejected(_) => Store::Rejected,
+                other => panic!("{code}: {other:?}"),
+            };
+            assert_eq!(got, store, "{code}");
         }
     }
 }
