@@ -323,6 +323,7 @@ pub(crate) trait Completion<S: ?Sized> {
         self,
         store: &S,
         key: &Key,
+        token: Token,
         spec: &Spec,
         fingerprint: Option<&Fingerprint>,
     ) -> Discarded;
@@ -345,6 +346,11 @@ pub(crate) enum Discarded {
     /// The claim went with the body's transaction, and could not be taken again:
     /// another consumer has the key, or the store did not answer.
     Gone,
+    /// The body's transaction had ended before it returned (a `COMMIT` of its own, DDL
+    /// that commits, a deadlock the server rolled back): some of its writes stand and
+    /// some may not, so the key was recorded FAILED rather than released for a retry
+    /// that would write them again. The error says what happened.
+    Ended(StoreError),
 }
 
 /// What [`Completion::complete`] did.
@@ -356,6 +362,9 @@ pub(crate) enum Completed {
     LeaseLost,
     /// The store failed. `effects_kept`: whether the body's effects may stand anyway.
     Failed { error: StoreError, effects_kept: bool },
+    /// As [`Discarded::Ended`]: the body's transaction ended before DONE, and the key
+    /// was recorded FAILED instead.
+    Ended(StoreError),
 }
 
 /// The body's effects are its own business; DONE is one [`Store::complete`].
@@ -423,7 +432,14 @@ impl<S: Store + ?Sized> Completion<S> for StoreCompletion {
         }
     }
 
-    async fn discard(self, _: &S, _: &Key, _: &Spec, _: Option<&Fingerprint>) -> Discarded {
+    async fn discard(
+        self,
+        _: &S,
+        _: &Key,
+        _: Token,
+        _: &Spec,
+        _: Option<&Fingerprint>,
+    ) -> Discarded {
         Discarded::Held
     }
 }
@@ -498,10 +514,12 @@ where
         meter.claimed(claimed_at);
         // What the completion holds (a pooled connection) goes back first: the FAILED
         // record may need it.
-        match completion.discard(store, &key, &spec, fingerprint).await {
+        match completion.discard(store, &key, claim.token, &spec, fingerprint).await {
             Discarded::Held => {}
             Discarded::Retaken(token) => claim.token = token,
-            Discarded::Gone => return Err(Error::LeaseLost { attempt, retry_after: later() }),
+            Discarded::Gone | Discarded::Ended(_) => {
+                return Err(Error::LeaseLost { attempt, retry_after: later() });
+            }
         }
         if claim.fail("earlier attempts never finished").await.is_err() {
             return Err(Error::LeaseLost { attempt, retry_after: later() });
@@ -544,13 +562,13 @@ where
         Err(Stopped::Lost) => {
             // Another consumer owns the key now: the body was stopped rather than left
             // to run beside it, and nothing of this attempt is recorded.
-            completion.discard(store, &key, &spec, fingerprint).await;
+            completion.discard(store, &key, claim.token, &spec, fingerprint).await;
             abandon.disarm();
             return Err(Error::LeaseLost { attempt, retry_after: later() });
         }
         Err(Stopped::NoTimer) => {
             // The body was stopped at its first await, as a crash would stop it.
-            completion.discard(store, &key, &spec, fingerprint).await;
+            completion.discard(store, &key, claim.token, &spec, fingerprint).await;
             let _ = claim.release().await;
             abandon.disarm();
             return Err(Error::Runtime { reason: NO_TIMER, retry_after: later() });
@@ -574,6 +592,9 @@ where
                     Err(reason) => Ok(Outcome::ProcessedNotCached { value, reason }),
                 },
                 Completed::LeaseLost => Err(Error::LeaseLost { attempt, retry_after: later() }),
+                Completed::Ended(error) => {
+                    ended_early(on_terminal, &claim, attempt, error, later()).await
+                }
                 Completed::Failed { error, effects_kept: true } => {
                     Err(Error::Store { error, handler_ran: true, retry_after: later() })
                 }
@@ -584,7 +605,7 @@ where
             }
         }
         Ok(Err(error)) => {
-            let discarded = completion.discard(store, &key, &spec, fingerprint).await;
+            let discarded = completion.discard(store, &key, claim.token, &spec, fingerprint).await;
             // User code (classify, Display, the hook) runs outside the body's
             // catch_unwind: a panic in it must not leave the claim dangling.
             // A panicking `classify` counts as retryable.
@@ -603,6 +624,13 @@ where
                     Ok(())
                 }
                 Discarded::Gone => Err(Lost),
+                Discarded::Ended(why) => {
+                    abandon.disarm();
+                    let why = StoreError::Rejected(
+                        format!("{why}; the handler then failed: {}", message()).into(),
+                    );
+                    return ended_early(on_terminal, &claim, attempt, why, later()).await;
+                }
             };
             if let Err(Lost) = ended {
                 lost(attempt, message(), later())
@@ -633,7 +661,7 @@ where
             }
         }
         Err(panic) => {
-            let discarded = completion.discard(store, &key, &spec, fingerprint).await;
+            let discarded = completion.discard(store, &key, claim.token, &spec, fingerprint).await;
             let message = panic_message(&*panic);
             let exhausted = attempt >= spec.max_attempts;
             let ended = match discarded {
@@ -643,6 +671,13 @@ where
                     Ok(())
                 }
                 Discarded::Gone => Err(Lost),
+                Discarded::Ended(why) => {
+                    abandon.disarm();
+                    let why = StoreError::Rejected(
+                        format!("{why}; the handler then panicked: {message}").into(),
+                    );
+                    return ended_early(on_terminal, &claim, attempt, why, later()).await;
+                }
             };
             let ended = if ended.is_err() {
                 ended
@@ -849,6 +884,25 @@ impl<S: Store + ?Sized> HeldClaim<'_, S> {
             error,
         }
     }
+}
+
+/// The body's transaction ended before DONE (see [`Discarded::Ended`]) and the key is
+/// FAILED: an alert, and a store error that dead-letters the message, saying what
+/// happened and that the handler's writes must be checked by hand.
+async fn ended_early<S, T, E, H>(
+    on_terminal: H,
+    claim: &HeldClaim<'_, S>,
+    attempt: u32,
+    error: StoreError,
+    retry_after: Duration,
+) -> Result<Outcome<T>, Error<E>>
+where
+    S: Store + ?Sized,
+    H: TerminalHook,
+{
+    tracing::error!(key = %claim.key.logged(), %error, "the handler's transaction ended before DONE; the key is FAILED");
+    alert(on_terminal, claim.event(attempt, false, error.to_string()), claim.key).await;
+    Err(Error::Store { error, handler_ran: true, retry_after })
 }
 
 /// Sends a terminal alert. The record is already FAILED, so a panicking hook is

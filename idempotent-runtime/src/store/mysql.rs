@@ -412,6 +412,27 @@ impl MysqlStore {
         self.update(conn, &self.sql.redate, &values).await
     }
 
+    /// Turns the DONE record that a claim taken inside a handler's transaction wrote
+    /// into FAILED, on its own: the handler ended that transaction early, so the
+    /// implicit or explicit commit made the DONE. `false` when there is none (the
+    /// claim was rolled back).
+    pub(crate) async fn fail_inline_done(
+        &self,
+        key: &Key,
+        token: Token,
+        ttl: Duration,
+    ) -> Result<bool, StoreError> {
+        let stored = key.stored();
+        let values = Values {
+            key: stored.as_ref(),
+            token: token.as_u128().to_be_bytes(),
+            ttl: micros(ttl),
+            ..Values::default()
+        };
+        let done = self.update(&self.pool, &self.sql.fail_done, &values).await?;
+        Ok(done == Transition::Applied)
+    }
+
     async fn update(
         &self,
         on: impl MySqlExecutor<'_>,
@@ -574,6 +595,7 @@ struct Sql {
     /// Dates an in-transaction claim's DONE record from the handler's completion, with
     /// its cached result.
     redate: Statement,
+    fail_done: Statement,
     cached: Statement,
     finish: Statement,
     release: Statement,
@@ -603,6 +625,10 @@ impl Sql {
             redate: Statement::new(&format!(
                 "{LOCK_WAIT}UPDATE {t} SET expires_at = {NOW} + INTERVAL :ttl MICROSECOND,
     result = :result WHERE `key` = :key AND state = 'D' AND token = :token"
+            )),
+            fail_done: Statement::new(&format!(
+                "{LOCK_WAIT}UPDATE {t} SET state = 'F', token = NULL, result = NULL,
+    expires_at = {NOW} + INTERVAL :ttl MICROSECOND WHERE `key` = :key AND state = 'D' AND token = :token"
             )),
             cached: Statement::new(&format!(
                 "SELECT result FROM {t} WHERE `key` = :key AND state = 'D' AND expires_at > {NOW}"

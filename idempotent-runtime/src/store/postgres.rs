@@ -331,6 +331,29 @@ CREATE INDEX IF NOT EXISTS {index}_expires_at ON {t} (expires_at);"
         Ok(if done.rows_affected() == 1 { Transition::Applied } else { Transition::LeaseLost })
     }
 
+    /// Turns the DONE record that a claim taken inside a handler's transaction wrote
+    /// into FAILED, on its own: the handler ended that transaction early, so its own
+    /// commit made the DONE. `false` when there is none (the claim was rolled back).
+    pub(crate) async fn fail_inline_done(
+        &self,
+        key: &Key,
+        ttl: Duration,
+    ) -> Result<bool, StoreError> {
+        let sql = format!(
+            "UPDATE {} SET state = 'F', result = NULL,
+    expires_at = clock_timestamp() + $2 * interval '1 millisecond'
+    WHERE key = $1 AND state = 'D' AND token IS NULL",
+            self.sql.table
+        );
+        let done = sqlx::query(AssertSqlSafe(sql))
+            .bind(key.stored().as_ref())
+            .bind(millis(ttl))
+            .execute(&self.pool)
+            .await
+            .map_err(sql::store_error)?;
+        Ok(done.rows_affected() == 1)
+    }
+
     /// Records DONE through `conn`, inside the caller's transaction: the record
     /// becomes DONE when, and only if, that transaction commits.
     pub(crate) async fn complete_on(

@@ -339,6 +339,56 @@ pub(crate) async fn commit_if_recorded<DB: Database>(
     }
 }
 
+/// What happened when a handler's transaction is found to have ended before its
+/// DONE record.
+const ENDED: &str = "the handler's transaction ended before its DONE record was written \
+    (a COMMIT or ROLLBACK the handler sent, a statement that commits implicitly such as \
+    DDL, or a deadlock or lock-wait timeout the server rolled the transaction back for): \
+    the writes before that committed or were rolled back, and those after it committed \
+    one by one";
+
+/// After the handler's transaction ended early (its connection already given back):
+/// records the key FAILED on its own, so that a redelivery neither runs the handler
+/// again over writes that stand nor takes a DONE that the handler's own commit wrote
+/// as the truth. `inline_done`: with the claim taken inside the transaction, whether
+/// the store turned a DONE committed with it into FAILED (`Ok(false)`: there was none,
+/// the claim was rolled back; the key is claimed again to be failed). Returns the
+/// error the call ends with (dead-letter).
+pub(crate) async fn fail_ended<S: Store + ?Sized>(
+    store: &S,
+    key: &crate::Key,
+    token: crate::Token,
+    spec: &Spec,
+    inline_done: Option<Result<bool, StoreError>>,
+) -> StoreError {
+    let failed = |token| async move {
+        store.fail(key, token, spec.ttl()).await.map(|done| done == Transition::Applied)
+    };
+    let recorded = match inline_done {
+        None => failed(token).await,
+        Some(Ok(false)) => {
+            match retake(store.claim(key, spec.lease(), spec.ttl(), None), key).await {
+                Discarded::Retaken(token) => failed(token).await,
+                _ => Ok(false),
+            }
+        }
+        Some(done) => done,
+    };
+    let what = match recorded {
+        Ok(true) => "the key is recorded FAILED, so the message does not run again".to_owned(),
+        Ok(false) => "the key could not be recorded FAILED: another consumer holds it".to_owned(),
+        Err(error) => format!("recording the key FAILED failed too ({error})"),
+    };
+    StoreError::Rejected(
+        format!(
+            "{ENDED}; {what}. Check this message's writes by hand; releasing the key (the \
+             `idempotent` command) lets it run again. A handler must leave its transaction \
+             to the store: no COMMIT, ROLLBACK or DDL inside it"
+        )
+        .into(),
+    )
+}
+
 /// Rolls back; if that fails, the connection is closed by the pool, which rolls back.
 pub(crate) async fn rollback<DB: Database>(tx: Transaction<'static, DB>) {
     if let Err(error) = tx.rollback().await {

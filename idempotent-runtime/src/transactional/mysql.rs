@@ -8,7 +8,7 @@ use sqlx::{MySql, Transaction};
 
 use super::{
     Transactional, TransactionalClaim, TxSlot, begin_within, commit_if_recorded,
-    count_rolled_back_attempt, retake, rollback,
+    count_rolled_back_attempt, fail_ended, retake, rollback,
 };
 use crate::alert::TerminalHook;
 use crate::execute::{Call, Completed, Completion, Discarded, ResultCache, Spec, run_observed};
@@ -120,6 +120,14 @@ impl Completion<MysqlStore> for InTransaction<'_> {
             let error = StoreError::Protocol("the handler's transaction went missing".to_owned());
             return Completed::Failed { error, effects_kept: false };
         };
+        if !still_begun(&mut tx).await {
+            rollback(tx).await;
+            let inline_done = match self.inline {
+                true => Some(store.fail_inline_done(key, token, spec.ttl()).await),
+                false => None,
+            };
+            return Completed::Ended(fail_ended(store, key, token, spec, inline_done).await);
+        }
         let recorded = if !self.inline {
             store.complete_on(&mut *tx, key, token, spec.ttl(), result).await
         } else if result.is_some() || self.claimed_at.elapsed() > spec.lease() {
@@ -144,11 +152,23 @@ impl Completion<MysqlStore> for InTransaction<'_> {
         self,
         store: &MysqlStore,
         key: &Key,
+        token: Token,
         spec: &Spec,
         fingerprint: Option<&Fingerprint>,
     ) -> Discarded {
         drop(self.conn);
-        for tx in [self.tx, self.slot.take()].into_iter().flatten() {
+        if let Some(mut lent) = self.slot.take() {
+            let begun = still_begun(&mut lent).await;
+            rollback(lent).await;
+            if !begun {
+                let inline_done = match self.inline {
+                    true => Some(store.fail_inline_done(key, token, spec.ttl()).await),
+                    false => None,
+                };
+                return Discarded::Ended(fail_ended(store, key, token, spec, inline_done).await);
+            }
+        }
+        if let Some(tx) = self.tx {
             rollback(tx).await;
         }
         if !self.inline {
@@ -172,4 +192,18 @@ async fn begin_read_committed(
 ) -> Result<Transaction<'static, MySql>, StoreError> {
     begin_within(conn, "SET TRANSACTION ISOLATION LEVEL READ COMMITTED; START TRANSACTION", spec)
         .await
+}
+
+/// Whether `tx` is still a transaction: a handler whose statement committed
+/// implicitly (DDL), that sent its own `COMMIT` or `ROLLBACK`, or whose transaction
+/// the server rolled back (a deadlock; a lock-wait timeout with
+/// `innodb_rollback_on_timeout`) left the session in autocommit, and its later
+/// statements ran on their own. Read from MariaDB's `@@in_transaction`; MySQL has no
+/// such variable, and there (or when the check fails) the transaction is assumed to
+/// stand.
+async fn still_begun(tx: &mut Transaction<'static, MySql>) -> bool {
+    let open = sqlx::query_scalar::<_, i64>("SELECT CAST(@@in_transaction AS SIGNED)")
+        .fetch_one(&mut **tx)
+        .await;
+    open.map_or(true, |open| open != 0)
 }

@@ -7,8 +7,8 @@ use sqlx::pool::PoolConnection;
 use sqlx::{Postgres, Transaction};
 
 use super::{
-    Transactional, TxSlot, begin_within, commit_if_recorded, count_rolled_back_attempt, retake,
-    rollback,
+    Transactional, TxSlot, begin_within, commit_if_recorded, count_rolled_back_attempt, fail_ended,
+    retake, rollback,
 };
 use crate::alert::TerminalHook;
 use crate::execute::{Call, Completed, Completion, Discarded, ResultCache, Spec, run_observed};
@@ -131,6 +131,14 @@ impl Completion<PostgresStore> for InTransaction<'_> {
             let error = StoreError::Protocol("the handler's transaction went missing".to_owned());
             return Completed::Failed { error, effects_kept: false };
         };
+        if !still_begun(&mut tx).await {
+            rollback(tx).await;
+            let inline_done = match self.inline {
+                true => Some(store.fail_inline_done(key, spec.ttl()).await),
+                false => None,
+            };
+            return Completed::Ended(fail_ended(store, key, token, spec, inline_done).await);
+        }
         let recorded = if !self.inline {
             store.complete_on(&mut tx, key, token, spec.ttl(), result).await
         } else if result.is_some() || self.claimed_at.elapsed() > spec.lease() {
@@ -156,11 +164,23 @@ impl Completion<PostgresStore> for InTransaction<'_> {
         self,
         store: &PostgresStore,
         key: &Key,
+        token: Token,
         spec: &Spec,
         fingerprint: Option<&Fingerprint>,
     ) -> Discarded {
         drop(self.conn);
-        for tx in [self.tx, self.slot.take()].into_iter().flatten() {
+        if let Some(mut lent) = self.slot.take() {
+            let begun = still_begun(&mut lent).await;
+            rollback(lent).await;
+            if !begun {
+                let inline_done = match self.inline {
+                    true => Some(store.fail_inline_done(key, spec.ttl()).await),
+                    false => None,
+                };
+                return Discarded::Ended(fail_ended(store, key, token, spec, inline_done).await);
+            }
+        }
+        if let Some(tx) = self.tx {
             rollback(tx).await;
         }
         if !self.inline {
@@ -175,10 +195,30 @@ impl Completion<PostgresStore> for InTransaction<'_> {
     }
 }
 
-/// Begins at READ COMMITTED on `conn`, giving up after a third of the lease.
+/// Begins at READ COMMITTED on `conn`, giving up after a third of the lease. The
+/// same round trip marks the transaction ([`MARKER`], set with `SET LOCAL`, which
+/// goes when it ends), so that [`still_begun`] can tell it from one the handler
+/// began after ending it.
 async fn begin_read_committed(
     conn: PoolConnection<Postgres>,
     spec: &Spec,
 ) -> Result<Transaction<'static, Postgres>, StoreError> {
-    begin_within(conn, "BEGIN ISOLATION LEVEL READ COMMITTED", spec).await
+    let begin = "BEGIN ISOLATION LEVEL READ COMMITTED; SET LOCAL idempotent.transaction = 'begun'";
+    begin_within(conn, begin, spec).await
+}
+
+/// Whether `tx` is still the transaction [`begin_read_committed`] began: a handler
+/// that sent its own `COMMIT` (or `ROLLBACK`) ended it, and its later statements ran
+/// on their own. Assumed so when the check can't be made (the connection failed: the
+/// DONE update then fails the same way).
+async fn still_begun(tx: &mut Transaction<'static, Postgres>) -> bool {
+    let marker = sqlx::query_scalar::<_, Option<String>>(
+        "SELECT current_setting('idempotent.transaction', true)",
+    )
+    .fetch_one(&mut **tx)
+    .await;
+    match marker {
+        Ok(marker) => marker.as_deref() == Some("begun"),
+        Err(_) => true,
+    }
 }
