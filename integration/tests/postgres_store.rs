@@ -21,6 +21,28 @@ idempotent::store_suite!(match store().await {
     None => return,
 });
 
+/// A migrated store whose connections default to `isolation` (as a DBA may set for
+/// the whole database), on a table of its own.
+async fn store_at(isolation: &str, table: &str) -> Option<PostgresStore> {
+    let settings = [("default_transaction_isolation", isolation)];
+    let pool = postgres::pool_with(10, &settings).await?;
+    let store = PostgresStore::from_pool(pool).with_table(table).unwrap();
+    store.migrate().await.expect("migration");
+    Some(store)
+}
+
+/// The suite with SERIALIZABLE as every connection's default (REPEATABLE READ fails
+/// the same statements the same way; the renewals' session under an `after_connect`
+/// is `postgres_hardening`'s).
+mod serializable_default {
+    idempotent::store_suite!(
+        match super::store_at("serializable", "idempotent_records_ser").await {
+            Some(store) => store,
+            None => return,
+        }
+    );
+}
+
 #[test]
 fn tables_are_configurable_and_expired_records_are_purged() {
     block_on(async {

@@ -271,6 +271,10 @@ CREATE INDEX IF NOT EXISTS {index}_expires_at ON {t} (expires_at);"
                 Err(e) if sql::is_lock_timeout(&e) => {
                     return Ok(Claim::InProgress { lease_left: None });
                 }
+                // Under a REPEATABLE READ or SERIALIZABLE default, a record another
+                // claim changed after this statement's snapshot is a serialization
+                // failure: the statement, asked again with a new snapshot, reads it.
+                Err(e) if sql::is_serialization_failure(&e) => continue,
                 Err(e) => return Err(sql::store_error(e)),
             };
             let Some((outcome, attempts, result, lease_left, fence)) = row else { continue };

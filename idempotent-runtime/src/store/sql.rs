@@ -155,6 +155,13 @@ pub(crate) fn is_lock_timeout(error: &sqlx::Error) -> bool {
         if db.code().as_deref() == Some("55P03") || mysql_number(&**db) == Some(1205))
 }
 
+/// Whether the statement failed for a concurrent change its snapshot could not see
+/// (SQLSTATE 40001, under REPEATABLE READ or SERIALIZABLE).
+#[cfg(feature = "postgres")]
+pub(crate) fn is_serialization_failure(error: &sqlx::Error) -> bool {
+    matches!(error, sqlx::Error::Database(db) if db.code().as_deref() == Some("40001"))
+}
+
 /// MySQL's (or MariaDB's) own error number, which says more than its SQLSTATE: many
 /// errors, lock wait timeouts among them, share the catch-all `HY000`.
 #[cfg(feature = "mysql")]
