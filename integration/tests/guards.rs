@@ -56,6 +56,12 @@ fn refusals_carry_the_class_a_handler_needs() {
     assert_eq!(VersionRefused::NotFound.class(), ErrorClass::Terminal);
     assert_eq!(StateChange::<String>::Applied.into_result(), Ok(()));
     assert_eq!(VersionChange::Stale(4).into_result(), Err(VersionRefused::Stale(4)));
+    // A version from the message: past it is a duplicate, behind it a retry.
+    let past = VersionChange::Stale(5).into_result_for_message(3);
+    assert_eq!(past, Err(VersionRefused::AlreadyApplied(5)));
+    assert_eq!(past.unwrap_err().class(), ErrorClass::Duplicate);
+    assert_eq!(VersionChange::Stale(2).into_result_for_message(3), Err(VersionRefused::Stale(2)));
+    assert_eq!(VersionChange::Applied.into_result_for_message(3), Ok(()));
 }
 
 /// The cases, written once, for a database type, its test pool, and its quote for
@@ -129,6 +135,24 @@ macro_rules! guard_cases {
                 );
                 assert_eq!(status(&pool, &table, 4).await, "CANCELLED");
                 assert_eq!(pay.apply(&pool, 99_i64).await.unwrap(), StateChange::NotFound);
+                drop_table(&pool, &table).await;
+            }
+
+            /// A duplicate redelivered after the order moved on past PAID (shipped) is
+            /// already applied, not a conflict to dead-letter with an alert; a state
+            /// outside the path (cancelled) is still a conflict.
+            #[tokio::test]
+            async fn a_late_duplicate_past_the_target_is_already_applied() {
+                let Some(pool) = pool(4).await else { return };
+                let table = orders(&pool, &[(1, "SHIPPED"), (2, "CANCELLED"), (3, "UNPAID")]).await;
+                let pay = pay(&table).beyond(["SHIPPED", "DELIVERED"]);
+                assert_eq!(pay.apply(&pool, 1_i64).await.unwrap(), StateChange::AlreadyApplied);
+                assert_eq!(status(&pool, &table, 1).await, "SHIPPED");
+                assert_eq!(
+                    pay.apply(&pool, 2_i64).await.unwrap(),
+                    StateChange::Conflict("CANCELLED".to_string())
+                );
+                assert_eq!(pay.apply(&pool, 3_i64).await.unwrap(), StateChange::Applied);
                 drop_table(&pool, &table).await;
             }
 

@@ -146,6 +146,7 @@ impl Table {
             column: Ident::new(column)?,
             from,
             to: to.into(),
+            beyond: Vec::new(),
             sql: Statements::default(),
         })
     }
@@ -231,10 +232,29 @@ pub struct StateGuard<S> {
     column: Ident,
     from: Vec<S>,
     to: S,
+    /// States the row reaches only after `to`.
+    beyond: Vec<S>,
     sql: Statements,
 }
 
 impl<S> StateGuard<S> {
+    /// The states a row reaches only after `to` (an order goes PAID, then SHIPPED,
+    /// then DELIVERED): a row found in one of them has had this change, so a late
+    /// duplicate (redelivered after the order shipped) is answered `AlreadyApplied`
+    /// (acked, no alert) instead of `Conflict` (dead-lettered with an alert). States
+    /// are compared in Rust (`PartialEq`), not in the column's collation.
+    ///
+    /// A state machine with a cycle (a reversal puts a PAID order back to UNPAID)
+    /// lets a redelivery after the cycle pass the guard again: the row's state says
+    /// nothing about which message moved it. There, record the message on the row
+    /// or beside it, in the same transaction: a column holding the last message id
+    /// applied, or an effect row keyed by the message id under a unique index, whose
+    /// insert fails for a duplicate.
+    pub fn beyond(mut self, states: impl IntoIterator<Item = impl Into<S>>) -> Self {
+        self.beyond = states.into_iter().map(Into::into).collect();
+        self
+    }
+
     /// Moves the row `key` from one of the `from` states to `to`, on `conn` (a
     /// `&Pool`, a `&mut` connection, or `&mut *tx` to do it inside a transaction).
     // Not an `async fn`: a future spelled `Send + 'a` is what lets callers spawn it
@@ -253,7 +273,14 @@ impl<S> StateGuard<S> {
     {
         async move {
             let mut conn = conn.acquire().await?;
-            <A::Database as GuardDatabase>::change_state(&mut conn, self, &key).await
+            let change =
+                <A::Database as GuardDatabase>::change_state(&mut conn, self, &key).await?;
+            Ok(match change {
+                StateChange::Conflict(state) if self.beyond.contains(&state) => {
+                    StateChange::AlreadyApplied
+                }
+                other => other,
+            })
         }
     }
 }
@@ -369,17 +396,37 @@ impl VersionChange {
             VersionChange::NotFound => Err(VersionRefused::NotFound),
         }
     }
+
+    /// As [`into_result`](Self::into_result), for a guard whose expected version came
+    /// from the message (the producer's "apply this to version 7"), not from a read:
+    /// a row already past `expected` has had this message's change (or a later one),
+    /// so it is [`VersionRefused::AlreadyApplied`] (acked as a duplicate) rather than
+    /// `Stale`, which retrying can never get past; a row behind `expected` is `Stale`
+    /// (an earlier message has not been applied yet: retry).
+    pub fn into_result_for_message(self, expected: i64) -> Result<(), VersionRefused> {
+        match self {
+            VersionChange::Stale(version) if version > expected => {
+                Err(VersionRefused::AlreadyApplied(version))
+            }
+            other => other.into_result(),
+        }
+    }
 }
 
 /// A [`VersionGuard`] that did not apply, as a handler error.
 ///
 /// Classified: `Stale` is [`ErrorClass::Retryable`] (the next attempt reads the row
-/// again), `NotFound` is [`ErrorClass::Terminal`].
+/// again), `AlreadyApplied` is [`ErrorClass::Duplicate`], `NotFound` is
+/// [`ErrorClass::Terminal`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
 pub enum VersionRefused {
     /// Another writer changed the row since it was read.
     #[error("the row changed since it was read (its version is now {0})")]
     Stale(i64),
+    /// The row is past the version the message named: its change was applied
+    /// ([`VersionChange::into_result_for_message`]).
+    #[error("the row is at version {0}, past the message's: its change was applied")]
+    AlreadyApplied(i64),
     /// No row has the key.
     #[error("no row has this key")]
     NotFound,
@@ -389,6 +436,7 @@ impl Classify for VersionRefused {
     fn class(&self) -> ErrorClass {
         match self {
             VersionRefused::Stale(_) => ErrorClass::Retryable,
+            VersionRefused::AlreadyApplied(_) => ErrorClass::Duplicate,
             VersionRefused::NotFound => ErrorClass::Terminal,
         }
     }
