@@ -926,6 +926,9 @@ where
     }
 }
 
+/// How many renewals of one claim may wait for their answers at once.
+const RENEWALS_IN_FLIGHT: usize = 4;
+
 /// How long after the last applied renewal (or the claim) the next one is due: a
 /// third of the lease.
 fn renewal_period(lease: Duration) -> Duration {
@@ -959,9 +962,9 @@ where
     // applied renewal granted: one slow renewal must not push the next one past the
     // lease's end. Once that lease has run out there is none left to protect, and a
     // renewal gets a whole lease to answer (the body waits for it): cut shorter,
-    // every answer of a store slower than that (under load) would time out, and a
-    // body whose key another consumer took would go on, never told. Unanswered by
-    // then, the body goes on and the answer is awaited for a second lease.
+    // every answer of a store slower than that (under load) would time out. Unanswered
+    // by then, the body goes on, and a renewal that timed out is still listened to:
+    // its answer, however late, stops a body whose key another consumer took.
     let lease = claim.spec.lease;
     let period = renewal_period(lease);
     let pause = (lease / 30).max(std::time::Duration::from_millis(1));
@@ -973,53 +976,79 @@ where
             TIMER_SEEN.set(false);
             return Stopped::NoTimer;
         };
-        let mut next;
         tokio::pin!(timer);
+        // Every renewal sent and not answered yet, with when it was sent. One that
+        // times out is not dropped: a store slower than its budget (replies held back
+        // on the network, a pool connection still draining an earlier reply) still
+        // answers, and an answer that the key was taken stops the body however late
+        // it comes. At most `RENEWALS_IN_FLIGHT` wait at once (the store's own
+        // timeouts end the rest).
+        let renewal = |sent| async move {
+            let answer =
+                claim.store.renew(claim.key, claim.token, claim.spec.lease, claim.spec.ttl).await;
+            (sent, answer)
+        };
+        let mut in_flight = futures_util::stream::FuturesUnordered::new();
+        // The newest renewal, while it has neither answered nor timed out: when it was
+        // sent, and when it times out.
+        let mut current: Option<(tokio::time::Instant, tokio::time::Instant)> = None;
+        let mut next = first;
         loop {
-            timer.as_mut().await;
-            let sent = tokio::time::Instant::now();
-            let left = held_until.get().saturating_duration_since(sent);
-            let budget = if left.is_zero() { lease } else { left.min(period).max(pause) };
-            let renewal =
-                claim.store.renew(claim.key, claim.token, claim.spec.lease, claim.spec.ttl);
-            tokio::pin!(renewal);
-            let mut answer = tokio::time::timeout(budget, renewal.as_mut()).await;
-            if answer.is_err() && left.is_zero() {
-                // The lease has run out and the store did not answer within one: the
-                // body goes on (its result fenced by the token), and the answer is
-                // awaited for another lease, so that a store slower than the lease
-                // (replies held back on the network) still stops a body whose key
-                // another consumer took, rather than every answer being dropped.
-                held_until.went_unanswered(sent);
-                answer = tokio::time::timeout(lease, renewal.as_mut()).await;
+            timer.as_mut().reset(current.map_or(next, |(_, due)| due));
+            tokio::select! {
+                biased;
+                Some((sent, answer)) = futures_util::StreamExt::next(&mut in_flight) => {
+                    let is_current = current.is_some_and(|(newest, _)| newest == sent);
+                    match answer {
+                        Ok(Transition::Applied) => {
+                            held_until.renewed(sent + lease);
+                            if is_current {
+                                current = None;
+                                next = sent + period;
+                            }
+                        }
+                        Ok(Transition::LeaseLost) => {
+                            tracing::warn!(
+                                key = %claim.key.logged(),
+                                "lease lost while the handler ran: another consumer owns the key; \
+                                 stopping the handler"
+                            );
+                            return Stopped::Lost;
+                        }
+                        // An older renewal failing was counted when it timed out.
+                        Err(error) if is_current => {
+                            claim.meter.store_failed(Operation::Renew);
+                            tracing::warn!(key = %claim.key.logged(), %error, "lease renewal failed; trying again");
+                            held_until.went_unanswered(sent);
+                            current = None;
+                            next = tokio::time::Instant::now() + pause;
+                        }
+                        Err(_) => {}
+                    }
+                }
+                () = timer.as_mut() => match current.take() {
+                    Some((sent, _)) => {
+                        claim.meter.store_failed(Operation::Renew);
+                        tracing::warn!(key = %claim.key.logged(), "lease renewal timed out; trying again");
+                        held_until.went_unanswered(sent);
+                        next = tokio::time::Instant::now() + pause;
+                    }
+                    None => {
+                        let sent = tokio::time::Instant::now();
+                        let left = held_until.get().saturating_duration_since(sent);
+                        let budget = if left.is_zero() { lease } else { left.min(period).max(pause) };
+                        if in_flight.len() < RENEWALS_IN_FLIGHT {
+                            in_flight.push(renewal(sent));
+                            current = Some((sent, sent + budget));
+                        } else {
+                            // As many renewals wait as may: this one counts as sent and
+                            // unanswered, so the body is not held up by the store.
+                            held_until.went_unanswered(sent);
+                            next = sent + budget;
+                        }
+                    }
+                },
             }
-            match answer {
-                Ok(Ok(Transition::Applied)) => {
-                    held_until.renewed(sent + lease);
-                    next = sent + period;
-                }
-                Ok(Ok(Transition::LeaseLost)) => {
-                    tracing::warn!(
-                        key = %claim.key.logged(),
-                        "lease lost while the handler ran: another consumer owns the key; \
-                         stopping the handler"
-                    );
-                    return Stopped::Lost;
-                }
-                Ok(Err(error)) => {
-                    claim.meter.store_failed(Operation::Renew);
-                    tracing::warn!(key = %claim.key.logged(), %error, "lease renewal failed; trying again");
-                    held_until.went_unanswered(sent);
-                    next = tokio::time::Instant::now() + pause;
-                }
-                Err(_) => {
-                    claim.meter.store_failed(Operation::Renew);
-                    tracing::warn!(key = %claim.key.logged(), "lease renewal timed out; trying again");
-                    held_until.went_unanswered(sent);
-                    next = tokio::time::Instant::now() + pause;
-                }
-            }
-            timer.as_mut().reset(next);
         }
     };
     tokio::pin!(body, renew);
@@ -1074,9 +1103,10 @@ impl HeldUntil {
         now >= self.get() && now >= self.at(self.unanswered_until.load(Relaxed))
     }
 
-    /// A renewal was applied: the claim is held until `until`.
+    /// A renewal was applied: the claim is held until `until`, unless a later one
+    /// (sent after it, answered before it) holds it longer.
     fn renewed(&self, until: tokio::time::Instant) {
-        self.set(until);
+        self.set(until.max(self.get()));
         self.unanswered_until.store(0, Relaxed);
     }
 

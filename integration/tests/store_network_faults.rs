@@ -5,8 +5,10 @@
 //! back through a connection the proxy does not touch, and counts the handler's
 //! effects itself: no message is lost, none is marked done without its handler
 //! succeeding, none takes effect twice. Run on standalone Redis (a server of the
-//! test's own) and on the machine's ZooKeeper.
+//! test's own) and on the machine's ZooKeeper, PostgreSQL and MariaDB.
 
+#[path = "support/mysql.rs"]
+mod mysql;
 mod support;
 #[path = "support/zookeeper.rs"]
 mod zookeeper;
@@ -17,12 +19,16 @@ use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use idempotent::testing::block_on;
-use idempotent::{Claim, Error, Key, Outcome, RedisStore, Store, Token, idempotent};
+use idempotent::{
+    Claim, Error, Key, MysqlStore, Outcome, PostgresStore, RedisStore, Store, Token, idempotent,
+};
 use support::{FaultProxy, RedisServer};
 use tokio::sync::Notify;
 
 const NAMESPACE: &str = "network-faults";
 const LEASE: Duration = Duration::from_secs(1);
+/// The latency each way of a link slower than the lease.
+const ONE_WAY: Duration = Duration::from_millis(1200);
 
 struct Order {
     id: String,
@@ -136,22 +142,33 @@ async fn done_reply_lost(t: Target) {
     assert_eq!(ledger.count(&id), 1);
 }
 
-/// Once the handler runs, every reply reaches it 1.5 s late (a lease and a half): its
-/// renewals are answered after the lease they extend has run out, another consumer
-/// takes the key over, and the late consumer's next renewal stops its body before
-/// the effect. One effect, the other consumer's; the record is its DONE.
+/// Once the handler runs, every request and every reply takes [`ONE_WAY`] (more than
+/// the lease) each way: the first renewal reaches the server after the lease ran out
+/// and another consumer took the key over, and its answer, back later still, stops
+/// the late consumer's body before the effect. One effect, the other consumer's; the
+/// record is its DONE. (A round trip of 2.4 s is as slow as ZooKeeper's client, with
+/// a 9 s session, takes for a link that still works.)
 async fn replies_late_past_the_lease(t: Target) {
     let (id, ledger) = (fresh_id(), Ledger::default());
-    let late = || t.proxy.delay_replies(LEASE * 3 / 2);
+    // A message first, long enough to be renewed: the store's connections, its
+    // renewals' own among them, are open before the link slows down, as in a
+    // consumer that has been running.
+    let warm = apply(order(&fresh_id(), LEASE), &*t.proxied, &ledger, &nothing).await;
+    assert!(matches!(warm, Ok(Outcome::Processed(()))), "{warm:?}");
+    let late = || {
+        t.proxy.delay_requests(ONE_WAY);
+        t.proxy.delay_replies(ONE_WAY);
+    };
     let slow = async {
         let call = apply(order(&id, Duration::from_secs(8)), &*t.proxied, &ledger, &late);
         tokio::time::timeout(Duration::from_secs(20), call).await.expect("the late call ends")
     };
     let takeover = async {
-        tokio::time::sleep(LEASE + Duration::from_millis(300)).await;
+        tokio::time::sleep(LEASE + Duration::from_millis(150)).await;
         deliver(&*t.direct, &id, &ledger).await
     };
     let (slow, takeover) = tokio::join!(slow, takeover);
+    t.proxy.delay_requests(Duration::ZERO);
     t.proxy.delay_replies(Duration::ZERO);
     assert_eq!(takeover, Outcome::Processed(()));
     assert!(matches!(slow, Err(Error::LeaseLost { attempt: 1, .. })), "{slow:?}");
@@ -227,11 +244,71 @@ fn on_zookeeper<F: Future<Output = ()>>(case: impl FnOnce(Target) -> F) {
         return;
     }
     block_on(async {
-        let (root, session) = ("/idempotent-test-network", Duration::from_secs(6));
+        let (root, session) = ("/idempotent-test-network", Duration::from_secs(9));
         let proxy = FaultProxy::start(port).await;
         let proxied = zookeeper::connect(&proxy.address(), root, session).await;
         let direct = zookeeper::connect(&first, root, session).await;
         case(Target { proxy, proxied: Box::new(proxied), direct: Box::new(direct) }).await
+    });
+}
+
+/// The port of the first host of a database URL.
+fn url_port(url: &str, default: u16) -> u16 {
+    let host = url.split('@').next_back().unwrap_or(url);
+    let host = host.split('/').next().unwrap_or(host);
+    host.rsplit_once(':').and_then(|(_, port)| port.parse().ok()).unwrap_or(default)
+}
+
+/// `url` with its host and port replaced by the proxy's.
+fn through(url: &str, proxy: &FaultProxy) -> String {
+    let (scheme, rest) = url.split_once("://").expect("a URL");
+    let (auth, rest) = match rest.rsplit_once('@') {
+        Some((auth, rest)) => (format!("{auth}@"), rest),
+        None => (String::new(), rest),
+    };
+    let path = rest.split_once('/').map_or("", |(_, path)| path);
+    format!("{scheme}://{auth}{}/{path}", proxy.address())
+}
+
+/// Runs `case` on the machine's PostgreSQL (`DATABASE_URL`) behind a proxy, on a
+/// records table of its own.
+fn on_postgres<F: Future<Output = ()>>(case: impl FnOnce(Target) -> F) {
+    let url = std::env::var("DATABASE_URL")
+        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into());
+    block_on(async {
+        let direct = match PostgresStore::connect(&url).await {
+            Ok(store) => store,
+            Err(e) => {
+                assert!(std::env::var_os("CI").is_none(), "CI needs PostgreSQL at {url}: {e}");
+                return eprintln!("skipped: no PostgreSQL at {url}");
+            }
+        };
+        let table = format!("net_faults_{:x}", Token::random().as_u128() as u64);
+        let direct = direct.with_table(&table).unwrap();
+        direct.migrate().await.unwrap();
+        let proxy = FaultProxy::start(url_port(&url, 5432)).await;
+        let proxied = PostgresStore::connect(&through(&url, &proxy)).await.unwrap();
+        let proxied = proxied.with_table(&table).unwrap();
+        case(Target { proxy, proxied: Box::new(proxied), direct: Box::new(direct.clone()) }).await;
+        let drop = format!("DROP TABLE {table}");
+        sqlx::query(sqlx::AssertSqlSafe(drop)).execute(direct.pool()).await.unwrap();
+    });
+}
+
+/// Runs `case` on the machine's MySQL or MariaDB (`MYSQL_URL`) behind a proxy, on a
+/// records table of its own.
+fn on_mysql<F: Future<Output = ()>>(case: impl FnOnce(Target) -> F) {
+    let url = mysql::url();
+    block_on(async {
+        let Some(pool) = mysql::pool(4).await else { return };
+        let table = mysql::table("net_faults");
+        let direct = MysqlStore::from_pool(pool.clone()).with_table(&table).unwrap();
+        direct.migrate().await.unwrap();
+        let proxy = FaultProxy::start(url_port(&url, 3306)).await;
+        let proxied = MysqlStore::connect(&through(&url, &proxy)).await.unwrap();
+        let proxied = proxied.with_table(&table).unwrap();
+        case(Target { proxy, proxied: Box::new(proxied), direct: Box::new(direct) }).await;
+        mysql::drop_tables(&pool, &[&table]).await;
     });
 }
 
@@ -247,6 +324,18 @@ macro_rules! cases {
             #[test]
             fn $case() {
                 super::on_zookeeper(super::$case)
+            }
+        )*}
+        mod postgres {$(
+            #[test]
+            fn $case() {
+                super::on_postgres(super::$case)
+            }
+        )*}
+        mod mysql_store {$(
+            #[test]
+            fn $case() {
+                super::on_mysql(super::$case)
             }
         )*}
     };

@@ -24,8 +24,12 @@ pub const RENEWAL_CONNECTIONS: u32 = 2;
 /// variable) is the renewals' session too, or their statements would miss the table
 /// and the lease would lapse while the handler runs.
 pub(crate) fn renewal_pool<DB: sqlx::Database>(pool: &sqlx::Pool<DB>) -> sqlx::Pool<DB> {
+    // No test before each acquire: a renewal is one statement, and the test's round
+    // trip would double its time to answer (a broken connection fails the statement,
+    // which the renewal loop sends again).
     pool.options()
         .clone()
+        .test_before_acquire(false)
         .min_connections(1)
         .max_connections(RENEWAL_CONNECTIONS)
         .acquire_timeout(Duration::from_secs(5))

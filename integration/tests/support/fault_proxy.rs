@@ -27,6 +27,8 @@ struct State {
     refusing: AtomicBool,
     /// How long each reply is held back, in milliseconds.
     delay_ms: AtomicU64,
+    /// How long each request is held back, in milliseconds.
+    request_delay_ms: AtomicU64,
     lost: AtomicU32,
     /// Bumped to close every open connection.
     generation: tokio::sync::watch::Sender<u64>,
@@ -92,6 +94,12 @@ impl FaultProxy {
         self.state.delay_ms.store(ms, Ordering::SeqCst);
     }
 
+    /// Every request from now on reaches the server `delay` late (zero: on time).
+    pub fn delay_requests(&self, delay: Duration) {
+        let ms = u64::try_from(delay.as_millis()).unwrap_or(u64::MAX);
+        self.state.request_delay_ms.store(ms, Ordering::SeqCst);
+    }
+
     /// Closes every connection and refuses new ones until [`restore`](Self::restore).
     pub fn cut(&self) {
         self.state.refusing.store(true, Ordering::SeqCst);
@@ -111,28 +119,58 @@ async fn pump(client: TcpStream, state: Arc<State>) {
     let mut closed = state.generation.subscribe();
     let upstream = state.upstream.load(Ordering::SeqCst);
     let Ok(server) = TcpStream::connect(("127.0.0.1", upstream)).await else { return };
-    let (mut client_read, mut client_write) = client.into_split();
-    let (mut server_read, mut server_write) = server.into_split();
-    let up = tokio::io::copy(&mut client_read, &mut server_write);
-    // What the server sends, stamped when it arrived, so that a delay is a latency
-    // each reply pays once, not a wait that replies queued behind one another add up.
+    let (client_read, client_write) = client.into_split();
+    let (server_read, server_write) = server.into_split();
+    let up = relay(client_read, server_write, state.clone(), Direction::Requests);
+    let down = relay(server_read, client_write, state, Direction::Replies);
+    tokio::select! {
+        _ = up => {}
+        _ = down => {}
+        _ = closed.changed() => {}
+    }
+}
+
+#[derive(Clone, Copy, PartialEq)]
+enum Direction {
+    Requests,
+    Replies,
+}
+
+/// Copies `from` to `to`, with the faults of `direction`: replies can be swallowed or
+/// lost, both can be held back. What arrives is stamped when it arrived, so that a
+/// delay is a latency each byte pays once, not a wait that bytes queued behind one
+/// another add up.
+async fn relay(
+    mut from: tokio::net::tcp::OwnedReadHalf,
+    mut to: tokio::net::tcp::OwnedWriteHalf,
+    state: Arc<State>,
+    direction: Direction,
+) {
     let (arrived, mut to_send) = tokio::sync::mpsc::unbounded_channel();
+    // Owns the sending half: when reading ends (a lost reply, the peer's close), what
+    // arrived is sent on and then the connection ends.
     let read = async move {
+        let delay = match direction {
+            Direction::Requests => &state.request_delay_ms,
+            Direction::Replies => &state.delay_ms,
+        };
         let mut buf = vec![0u8; 64 * 1024];
         loop {
-            let n = server_read.read(&mut buf).await?;
+            let n = from.read(&mut buf).await?;
             if n == 0 {
                 return Ok::<(), std::io::Error>(());
             }
-            if state.swallowing.load(Ordering::SeqCst) {
-                continue;
-            }
-            if state.lose_next.swap(false, Ordering::SeqCst) {
-                state.lost.fetch_add(1, Ordering::SeqCst);
-                return Ok(());
+            if direction == Direction::Replies {
+                if state.swallowing.load(Ordering::SeqCst) {
+                    continue;
+                }
+                if state.lose_next.swap(false, Ordering::SeqCst) {
+                    state.lost.fetch_add(1, Ordering::SeqCst);
+                    return Ok(());
+                }
             }
             let due = tokio::time::Instant::now()
-                + Duration::from_millis(state.delay_ms.load(Ordering::SeqCst));
+                + Duration::from_millis(delay.load(Ordering::SeqCst));
             if arrived.send((due, buf[..n].to_vec())).is_err() {
                 return Ok(());
             }
@@ -141,19 +179,9 @@ async fn pump(client: TcpStream, state: Arc<State>) {
     let write = async {
         while let Some((due, bytes)) = to_send.recv().await {
             tokio::time::sleep_until(due).await;
-            client_write.write_all(&bytes).await?;
+            to.write_all(&bytes).await?;
         }
         Ok::<(), std::io::Error>(())
     };
-    // A lost reply closes the client's side at once; otherwise what arrived is
-    // delivered before the connection ends.
-    let down = async {
-        let (read, _) = tokio::join!(read, write);
-        read
-    };
-    tokio::select! {
-        _ = up => {}
-        _ = down => {}
-        _ = closed.changed() => {}
-    }
+    let _ = tokio::join!(read, write);
 }
