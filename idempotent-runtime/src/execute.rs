@@ -471,7 +471,9 @@ where
     // Before the claim answers, attempts are counted by the broker's deliveries.
     let early = || spec.backoff.delay(crate::delivery::delivery_count().unwrap_or(1));
     check_timer().map_err(|reason| Error::Runtime { reason, retry_after: early() })?;
-    let first_renewal = claimed_at + renewal_period(spec.lease);
+    let hold = store.hold_limit().map_or(spec.lease, |limit| limit.min(spec.lease));
+    let hold = hold.max(Spec::MIN_LEASE);
+    let first_renewal = claimed_at + renewal_period(hold);
     let answer = completion.claim(store, &key, &spec, fingerprint.as_ref()).await;
     if !matches!(answer, Ok(Claim::Won { .. })) {
         // A won claim's time is taken when the body starts, with the same clock read.
@@ -504,7 +506,7 @@ where
     };
     // How long a retry of this attempt waits.
     let later = || spec.backoff.delay(attempt);
-    let mut claim = HeldClaim { spec, store, key: &key, token, claimed_at, meter };
+    let mut claim = HeldClaim { spec, store, key: &key, token, claimed_at, hold, meter };
     let fingerprint = fingerprint.as_ref();
 
     if attempt > spec.max_attempts {
@@ -565,6 +567,17 @@ where
             completion.discard(store, &key, claim.token, &spec, fingerprint).await;
             abandon.disarm();
             return Err(Error::LeaseLost { attempt, retry_after: later() });
+        }
+        Err(Stopped::Unconfirmed(error)) => {
+            // The body was stopped where it waited, as a crash would stop it: the
+            // store could not confirm that the claim still stands.
+            completion.discard(store, &key, claim.token, &spec, fingerprint).await;
+            let released = claim.release().await;
+            abandon.disarm();
+            return match released {
+                Ok(()) => Err(Error::Store { error, handler_ran: true, retry_after: later() }),
+                Err(Lost) => Err(Error::LeaseLost { attempt, retry_after: later() }),
+            };
         }
         Err(Stopped::NoTimer) => {
             // The body was stopped at its first await, as a crash would stop it.
@@ -806,6 +819,8 @@ enum Stopped {
     Lost,
     /// The renewal could not make its timer.
     NoTimer,
+    /// No renewal was confirmed for a hold after the claim's hold ran out.
+    Unconfirmed(StoreError),
 }
 
 /// A claim this call won, and the transitions that end it.
@@ -816,6 +831,9 @@ struct HeldClaim<'a, S: ?Sized> {
     token: Token,
     /// When the claim was sent: its lease runs at least `spec.lease` from here.
     claimed_at: tokio::time::Instant,
+    /// How long the claim surely stands after it or a renewal was sent: the lease,
+    /// or the store's [`hold_limit`](Store::hold_limit) if shorter.
+    hold: Duration,
     meter: &'a CallMeter,
 }
 
@@ -939,14 +957,14 @@ fn renewal_period(lease: Duration) -> Duration {
 /// When a renewal finds the claim taken, the body is dropped at its next await, as a
 /// crash would stop it, rather than left to run beside the key's new owner.
 ///
-/// The body is polled only while the lease the last applied renewal granted lasts.
-/// A call left unpolled past it (its task starved, its process stopped, its future
-/// parked by the caller) may have lost the key to a redelivery meanwhile: it waits
-/// for the renewal that was due, and goes on only if that renewal is applied, or if
-/// the store does not answer it (as when renewals fail while the body runs, the
-/// token then fences the result when it is recorded). An unanswered renewal lets the
-/// body go on for a lease: left unpolled past that, the call waits for an answer
-/// again.
+/// The body is polled only while the hold the last applied renewal granted lasts
+/// (the lease, or the store's [`hold_limit`](Store::hold_limit) if shorter). Past
+/// it, another consumer may have taken the key: the body waits until a renewal is
+/// applied, and is stopped when one answers that the key was taken, or when none is
+/// confirmed within one more hold (the store unreachable, or answering later than a
+/// hold): a consumer cut off from its store does not run beside one that took its
+/// key over. A call left unpolled past its hold (its task starved, its process
+/// stopped) waits for the renewal that was due in the same way.
 async fn with_renewal<S, F>(
     claim: &HeldClaim<'_, S>,
     first: tokio::time::Instant,
@@ -957,20 +975,18 @@ where
     F: Future,
 {
     // Renewals are scheduled from the last one that was applied, every third of the
-    // lease. A renewal that fails or times out is tried again at once (after a
-    // thirtieth of the lease), and no wait for an answer outlasts the lease the last
+    // hold. A renewal that fails or times out is tried again at once (after a
+    // thirtieth of the hold), and no wait for an answer outlasts the hold the last
     // applied renewal granted: one slow renewal must not push the next one past the
-    // lease's end. Once that lease has run out there is none left to protect, and a
-    // renewal gets a whole lease to answer (the body waits for it): cut shorter,
-    // every answer of a store slower than that (under load) would time out. Unanswered
-    // by then, the body goes on, and a renewal that timed out is still listened to:
-    // its answer, however late, stops a body whose key another consumer took.
-    let lease = claim.spec.lease;
-    let period = renewal_period(lease);
-    let pause = (lease / 30).max(std::time::Duration::from_millis(1));
+    // hold's end. Once the hold has run out, a renewal gets what is left of the one
+    // more hold the body waits for; and a renewal that timed out is still listened
+    // to: its answer, however late, stops a body whose key another consumer took.
+    let hold = claim.hold;
+    let period = renewal_period(hold);
+    let pause = (hold / 30).max(std::time::Duration::from_millis(1));
     // Until when the claim is known to be this call's. (Shared by the two futures
     // below, which only this task polls; atomic because the call's future is `Send`.)
-    let held_until = HeldUntil::new(claim.claimed_at, lease);
+    let held_until = HeldUntil::new(claim.claimed_at, hold);
     let renew = async {
         let Ok(timer) = catch_unwind(|| tokio::time::sleep_until(first)) else {
             TIMER_SEEN.set(false);
@@ -993,6 +1009,23 @@ where
         // sent, and when it times out.
         let mut current: Option<(tokio::time::Instant, tokio::time::Instant)> = None;
         let mut next = first;
+        // Once the hold ran out unconfirmed: until when the body waits for a renewal
+        // to be applied, and why the last one was not.
+        let mut give_up_at: Option<tokio::time::Instant> = None;
+        let mut last_failure = String::from("no renewal was answered");
+        let unconfirmed = |why: &str| {
+            tracing::warn!(
+                key = %claim.key.logged(),
+                why,
+                "the lease ran out and no renewal was confirmed for as long again: another \
+                 consumer may own the key; stopping the handler"
+            );
+            Stopped::Unconfirmed(StoreError::unavailable(format!(
+                "no renewal of the claim was confirmed for {hold:?} after its lease ran out \
+                 ({why}); the handler was stopped there rather than run beside a consumer \
+                 that may have taken the key over"
+            )))
+        };
         loop {
             timer.as_mut().reset(current.map_or(next, |(_, due)| due));
             tokio::select! {
@@ -1001,7 +1034,10 @@ where
                     let is_current = current.is_some_and(|(newest, _)| newest == sent);
                     match answer {
                         Ok(Transition::Applied) => {
-                            held_until.renewed(sent + lease);
+                            held_until.renewed(sent + hold);
+                            if !held_until.lapsed() {
+                                give_up_at = None;
+                            }
                             if is_current {
                                 current = None;
                                 next = sent + period;
@@ -1019,43 +1055,56 @@ where
                         Err(error) if is_current => {
                             claim.meter.store_failed(Operation::Renew);
                             tracing::warn!(key = %claim.key.logged(), %error, "lease renewal failed; trying again");
-                            held_until.went_unanswered(sent);
+                            last_failure = StoreError::to_string(&error);
                             current = None;
-                            next = tokio::time::Instant::now() + pause;
+                            let now = tokio::time::Instant::now();
+                            if give_up_at.is_some_and(|until| now >= until) {
+                                return unconfirmed(&last_failure);
+                            }
+                            next = now + pause;
                         }
                         Err(_) => {}
                     }
                 }
-                () = timer.as_mut() => match current.take() {
-                    Some((sent, _)) => {
+                () = timer.as_mut() => {
+                    let now = tokio::time::Instant::now();
+                    if current.take().is_some() {
                         claim.meter.store_failed(Operation::Renew);
                         tracing::warn!(key = %claim.key.logged(), "lease renewal timed out; trying again");
-                        held_until.went_unanswered(sent);
-                        next = tokio::time::Instant::now() + pause;
-                    }
-                    None => {
-                        let sent = tokio::time::Instant::now();
-                        let left = held_until.get().saturating_duration_since(sent);
-                        let budget = if left.is_zero() { lease } else { left.min(period).max(pause) };
-                        if in_flight.len() < RENEWALS_IN_FLIGHT {
-                            in_flight.push(renewal(sent));
-                            current = Some((sent, sent + budget));
-                        } else {
-                            // As many renewals wait as may: this one counts as sent and
-                            // unanswered, so the body is not held up by the store.
-                            held_until.went_unanswered(sent);
-                            next = sent + budget;
+                        last_failure = "the last renewal timed out".to_owned();
+                        if give_up_at.is_some_and(|until| now >= until) {
+                            return unconfirmed(&last_failure);
                         }
+                        next = now + pause;
+                        continue;
                     }
-                },
+                    let left = held_until.get().saturating_duration_since(now);
+                    let budget = if left.is_zero() {
+                        let until = *give_up_at.get_or_insert(now + hold);
+                        if now >= until {
+                            return unconfirmed(&last_failure);
+                        }
+                        until - now
+                    } else {
+                        left.min(period).max(pause)
+                    };
+                    if in_flight.len() < RENEWALS_IN_FLIGHT {
+                        in_flight.push(renewal(now));
+                        current = Some((now, now + budget));
+                    } else {
+                        // As many renewals wait as may: the next is sent when this
+                        // one's budget ends, unless one of them answers first.
+                        next = now + budget;
+                    }
+                }
             }
         }
     };
     tokio::pin!(body, renew);
     std::future::poll_fn(|cx| {
-        // While the lease holds, the body first (the renewal's timer is made once it
+        // While the hold lasts, the body first (the renewal's timer is made once it
         // waits). Once it has run out, the renewal first, and the body only when one
-        // is applied, or when the store could not answer one.
+        // is applied.
         let lapsed = held_until.lapsed();
         if lapsed {
             if let Poll::Ready(stopped) = renew.as_mut().poll(cx) {
@@ -1076,63 +1125,38 @@ where
     .await
 }
 
-/// Until when a claim is known to be this call's, and until when its body may go on
-/// without knowing (both as nanoseconds since the claim).
+/// Until when a claim is known to be this call's (as nanoseconds since the claim).
 struct HeldUntil {
     claimed_at: tokio::time::Instant,
-    lease: Duration,
     nanos: std::sync::atomic::AtomicU64,
-    /// A renewal sent after the lease ran out failed or timed out: the store can't
-    /// say, and the body goes on as it would without renewals, its result fenced by
-    /// the token when it is recorded. For a lease from when it went unanswered: a
-    /// call then left unpolled past that (its task starved again) waits for a
-    /// renewal's answer again, like one left unpolled past its lease.
-    unanswered_until: std::sync::atomic::AtomicU64,
 }
 
 impl HeldUntil {
-    fn new(claimed_at: tokio::time::Instant, lease: Duration) -> HeldUntil {
-        let held = HeldUntil { claimed_at, lease, nanos: 0.into(), unanswered_until: 0.into() };
-        held.set(claimed_at + lease);
+    fn new(claimed_at: tokio::time::Instant, hold: Duration) -> HeldUntil {
+        let held = HeldUntil { claimed_at, nanos: 0.into() };
+        held.set(claimed_at + hold);
         held
     }
 
-    /// Whether the body must wait for a renewal's answer before it goes on.
+    /// Whether the body must wait for a renewal to be applied before it goes on.
     fn lapsed(&self) -> bool {
-        let now = tokio::time::Instant::now();
-        now >= self.get() && now >= self.at(self.unanswered_until.load(Relaxed))
+        tokio::time::Instant::now() >= self.get()
     }
 
     /// A renewal was applied: the claim is held until `until`, unless a later one
     /// (sent after it, answered before it) holds it longer.
     fn renewed(&self, until: tokio::time::Instant) {
         self.set(until.max(self.get()));
-        self.unanswered_until.store(0, Relaxed);
-    }
-
-    /// A renewal sent at `sent` failed or timed out, just now.
-    fn went_unanswered(&self, sent: tokio::time::Instant) {
-        if sent >= self.get() {
-            let until = tokio::time::Instant::now() + self.lease;
-            self.unanswered_until.fetch_max(self.nanos_at(until), Relaxed);
-        }
     }
 
     fn get(&self) -> tokio::time::Instant {
-        self.at(self.nanos.load(Relaxed))
-    }
-
-    fn set(&self, until: tokio::time::Instant) {
-        self.nanos.store(self.nanos_at(until), Relaxed);
-    }
-
-    fn at(&self, nanos: u64) -> tokio::time::Instant {
+        let nanos = self.nanos.load(Relaxed);
         self.claimed_at + Duration::from_nanos(nanos)
     }
 
-    fn nanos_at(&self, instant: tokio::time::Instant) -> u64 {
-        let nanos = instant.saturating_duration_since(self.claimed_at).as_nanos();
-        u64::try_from(nanos).unwrap_or(u64::MAX)
+    fn set(&self, until: tokio::time::Instant) {
+        let nanos = until.saturating_duration_since(self.claimed_at).as_nanos();
+        self.nanos.store(u64::try_from(nanos).unwrap_or(u64::MAX), Relaxed);
     }
 }
 

@@ -525,8 +525,8 @@ async fn stopped_after_takeover<S: Store + ?Sized, F>(
     assert_eq!(claim_state(store, key).await, Claim::Done);
 }
 
-/// The same after renewals went unanswered: a call whose lease ran out goes on while
-/// the store cannot answer its renewals, but once the store answers again, a second
+/// The same after renewals went unanswered: a call whose lease ran out waits while
+/// the store cannot answer its renewals, and once the store answers again, a second
 /// time unpolled past a lease, it is stopped by the renewal due meanwhile, not polled
 /// on beside the consumer that took its key over.
 pub async fn unpolled_again_after_failed_renewals_is_stopped<S: Store + ?Sized>(store: &S) {
@@ -543,7 +543,7 @@ pub async fn unpolled_again_after_failed_renewals_is_stopped<S: Store + ?Sized>(
     let mut slow = std::pin::pin!(slow);
     poll_until_started(slow.as_mut(), &started).await;
     // Not polled past the lease; then polled for a third of one while every renewal
-    // fails: the body goes on waiting.
+    // fails: the body is not polled meanwhile.
     tokio::time::sleep(LEASE * 3 / 2).await;
     flaky.refuse_renewals.store(true, Ordering::SeqCst);
     tokio::select! {
@@ -555,6 +555,34 @@ pub async fn unpolled_again_after_failed_renewals_is_stopped<S: Store + ?Sized>(
     // Unpolled for two leases again (the body's wait ends meanwhile), while another
     // consumer takes the key over.
     stopped_after_takeover(store, &key, slow, &went_on).await;
+}
+
+/// A call whose store stops answering its renewals (a partition) does not run past
+/// its lease: once the lease runs out unconfirmed its body is no longer polled, and it
+/// is stopped when no renewal is confirmed for one more lease. The call reports a store
+/// error with `handler_ran` (the message is retried), records nothing and gives the key
+/// back, so the next delivery runs it at its second attempt.
+pub async fn cut_off_call_stops_at_its_lease<S: Store + ?Sized>(store: &S) {
+    let (key, alerts) = (fresh_key("cut-off"), Alerts::default());
+    let flaky = Flaky::new(store);
+    flaky.refuse_renewals.store(true, Ordering::SeqCst);
+    let went_on = AtomicBool::new(false);
+    let started = tokio::time::Instant::now();
+    let out =
+        run(Call::new(spec(5), Ok(key.clone())), &flaky, Failure::class, alerts.hook(), async {
+            tokio::time::sleep(LEASE + LEASE / 2).await;
+            went_on.store(true, Ordering::SeqCst);
+            Ok::<u32, Failure>(1)
+        })
+        .await;
+    let took = started.elapsed();
+    assert!(matches!(out, Err(Error::Store { handler_ran: true, .. })), "{out:?}");
+    assert!(!went_on.load(Ordering::SeqCst), "the body went on past its lease, unconfirmed");
+    assert!(took >= LEASE * 2, "stopped after {took:?}, before a lease more than its own");
+    assert!(flaky.refused.load(Ordering::SeqCst) > 3, "renewals were not tried meanwhile");
+    assert!(alerts.events().await.is_empty(), "an alert for a call that may run again");
+    let claim = store.claim(&key, LEASE, TTL, None).await.unwrap();
+    assert!(matches!(claim, Claim::Won { attempt: 2, .. }), "not given back: {claim:?}");
 }
 
 /// A handler that fails for good after another consumer took its key (renewals were
@@ -1007,6 +1035,9 @@ impl<S: Store + ?Sized> Store for Flaky<'_, S> {
     fn abandon(&self, key: &Key, token: Token) {
         self.inner.abandon(key, token)
     }
+    fn hold_limit(&self) -> Option<Duration> {
+        self.inner.hold_limit()
+    }
 }
 
 /// Runs `case` on a fresh multi-threaded Tokio runtime; the `store_suite!` tests use it.
@@ -1035,6 +1066,7 @@ macro_rules! __store_suite_cases {
             fences_grow_with_every_claim,
             late_completion_gets_lease_lost, lost_lease_stops_the_body,
             unpolled_call_is_stopped_when_resumed, unpolled_again_after_failed_renewals_is_stopped,
+            cut_off_call_stops_at_its_lease,
             lost_lease_failure_is_not_terminal, renewal_keeps_slow_handler,
             renewal_extends_retention, huge_durations_are_held, panic_on_last_attempt_fails,
             a_failed_completion_is_retried,

@@ -213,6 +213,16 @@ pub trait Store: Send + Sync {
     fn abandon(&self, key: &Key, token: Token) {
         let _ = (key, token);
     }
+
+    /// How long, at most, a claim is sure to stand after the claim or a renewal was
+    /// sent, when that can be less than its lease: the run loop then renews every
+    /// third of this and stops polling the body when it runs out unconfirmed, as it
+    /// does at the lease's end. `None` (the default): a claim stands for its lease.
+    /// [`ZooKeeperStore`](crate::zookeeper_store::ZooKeeperStore) answers its
+    /// session timeout, since a claim's ephemeral child goes with its session.
+    fn hold_limit(&self) -> Option<Duration> {
+        None
+    }
 }
 
 /// How long a store keeps a record after a claim: the dedupe window, plus one lease
@@ -261,6 +271,9 @@ macro_rules! forward_store {
             }
             fn abandon(&self, key: &Key, token: Token) {
                 (**self).abandon(key, token)
+            }
+            fn hold_limit(&self) -> Option<Duration> {
+                (**self).hold_limit()
             }
         }
     )*};
@@ -341,6 +354,9 @@ impl Store for DefaultStore {
         if let Ok(store) = self.get() {
             store.abandon(key, token)
         }
+    }
+    fn hold_limit(&self) -> Option<Duration> {
+        self.get().ok()?.hold_limit()
     }
 }
 

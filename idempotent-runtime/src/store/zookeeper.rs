@@ -72,6 +72,10 @@ struct Inner {
     hosts: String,
     root: String,
     session_timeout: Duration,
+    /// The session timeout the ensemble granted (it bounds what a client asks for),
+    /// in milliseconds: how long a claim's ephemeral child outlives the last packet
+    /// the ensemble heard from its session.
+    granted_timeout_ms: std::sync::atomic::AtomicU64,
     /// `user:password` for the `digest` scheme, sent on every new session.
     digest: Option<String>,
     /// The ACL of every znode the store creates: `creator_all` with credentials.
@@ -160,6 +164,7 @@ impl ZooKeeperOptions {
                 hosts: self.hosts,
                 root,
                 session_timeout: self.session_timeout,
+                granted_timeout_ms: u64::try_from(millis(self.session_timeout)).unwrap_or(0).into(),
                 digest: self.digest,
                 acls,
                 client: tokio::sync::Mutex::new(None),
@@ -243,6 +248,11 @@ impl ZooKeeperStore {
         make_path(&client, &self.inner.root, self.inner.acls)
             .await
             .map_err(|e| self.refused("create", e))?;
+        let granted = client.session_timeout().min(self.inner.session_timeout);
+        self.inner.granted_timeout_ms.store(
+            u64::try_from(millis(granted)).unwrap_or(0),
+            std::sync::atomic::Ordering::Relaxed,
+        );
         *held = Some(client.clone());
         Ok(client)
     }
@@ -1208,6 +1218,14 @@ impl admin::Admin for ZooKeeperStore {
 
 #[async_trait]
 impl Store for ZooKeeperStore {
+    /// The session timeout granted: once the ensemble stops hearing from a session,
+    /// it deletes the session's ephemeral children after that long, and a claim
+    /// without its child can be taken over however much lease it has left.
+    fn hold_limit(&self) -> Option<Duration> {
+        let granted = self.inner.granted_timeout_ms.load(std::sync::atomic::Ordering::Relaxed);
+        Some(Duration::from_millis(granted))
+    }
+
     async fn claim(
         &self,
         key: &Key,

@@ -169,8 +169,8 @@ async fn relay(
                     return Ok(());
                 }
             }
-            let due = tokio::time::Instant::now()
-                + Duration::from_millis(delay.load(Ordering::SeqCst));
+            let due =
+                tokio::time::Instant::now() + Duration::from_millis(delay.load(Ordering::SeqCst));
             if arrived.send((due, buf[..n].to_vec())).is_err() {
                 return Ok(());
             }

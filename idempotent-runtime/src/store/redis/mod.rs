@@ -471,8 +471,9 @@ impl RedisOptions {
     /// again, fenced by its token, within half the lease). Without it, a failover to
     /// an asynchronous replica loses the writes the old master acknowledged last,
     /// and duplicates of those messages run again. The cost: a round trip to the
-    /// replicas on every claim and every DONE (measured in the README, "Running Redis
-    /// for idempotency"). `WAIT` counts the writes of the connection it is sent on;
+    /// replicas on every claim, renewal and DONE (measured in the README, "Running
+    /// Redis for idempotency"). A renewal that did not reach them is not counted, so a
+    /// handler whose replicas stop answering is stopped when its lease runs out. `WAIT` counts the writes of the connection it is sent on;
     /// should the connection drop between a write and its `WAIT`, the wait covers
     /// the new connection only.
     pub fn wait_for_replicas(mut self, replicas: u32, timeout: Duration) -> Self {
@@ -953,7 +954,9 @@ impl RedisStore {
     }
 
     /// [`transition`](RedisStore::transition), answered as applied only once it is as
-    /// durable as asked: for DONE and FAILED, which a lost write would undo.
+    /// durable as asked: for DONE and FAILED, which a lost write would undo, and for
+    /// renewals, since a renewal lost at a failover leaves the promoted master's lease
+    /// shorter than the one its consumer goes on by (a takeover would run beside it).
     async fn durable_transition(
         &self,
         script: &Script,
@@ -1225,7 +1228,8 @@ impl Store for RedisStore {
     ) -> Result<Transition, StoreError> {
         let token = token.to_string();
         let retention = millis(crate::claim_retention(lease, ttl));
-        self.transition(&SCRIPTS.renew, key, &[token.as_bytes(), &millis(lease), &retention]).await
+        let args: [&[u8]; 3] = [token.as_bytes(), &millis(lease), &retention];
+        self.durable_transition(&SCRIPTS.renew, key, &args).await
     }
 
     /// Starts the release on the current Tokio runtime and returns at once; without
