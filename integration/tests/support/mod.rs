@@ -12,6 +12,7 @@ use std::time::{Duration, Instant};
 use idempotent::RedisStore;
 
 mod fault_proxy;
+#[allow(unused_imports)] // Used by the tests that fault the network, not by every test.
 pub use fault_proxy::FaultProxy;
 
 /// The machine's Redis (`REDIS_URL`, default `redis://127.0.0.1:6379`). `None`, with a
