@@ -43,7 +43,10 @@ impl Ledger {
     }
 }
 
-#[idempotent(key = "order:{id}", store = store, lease = "10s")]
+// DONE is tried again for half the lease: 15 s covers a JVM restarting on a loaded
+// machine (seconds), so an effect applied just before the kill is recorded once the
+// server is back, as the README's life-cycle table promises.
+#[idempotent(key = "order:{id}", store = store, lease = "30s")]
 async fn apply(msg: Order, store: &ZooKeeperStore, ledger: &Ledger) -> Result<(), Never> {
     ledger.apply(msg.id);
     Ok(())
