@@ -68,10 +68,16 @@ pub use crate::transactional::TransactionalClaim;
 /// * A claim that hits a deadlock (concurrent claims on neighbouring keys can, through
 ///   InnoDB's gap locks) is tried again; the statement was rolled back whole.
 /// * Lease renewals run on [`RENEWAL_CONNECTIONS`] connections of their own, opened
-///   with the pool's connect options on first use, so they never wait behind the
-///   handlers' transactions. They are not the pool's connections: a hook the pool
-///   runs on its own (`after_connect`) does not run on them, so put what every
-///   connection needs (user, database, TLS, time-outs) in the connect options.
+///   on first use with the pool's connect and pool options, `after_connect` included
+///   (a session variable set there holds for them too), so they never wait behind
+///   the handlers' transactions.
+/// * The pool bounds how many calls run at once: size it for the handlers in flight
+///   (in `transactional` mode each holds one connection from its claim to its
+///   commit) plus a few for plain claims. [`connect`](MysqlStore::connect) opens up to
+///   10; [`connect_with`](MysqlStore::connect_with) takes your pool options. A call
+///   that had to wait for a connection logs a warning (at most once a minute) saying
+///   so, and one that finds none within the pool's acquire timeout fails with an
+///   error saying how to size the pool.
 /// * Errors that retrying can't fix (a value the database refuses) are
 ///   [`StoreError::Rejected`]: the message is dead-lettered, not retried for ever.
 /// * Expired rows are deleted in the background, [`PURGE_BATCH`] at a time, every
@@ -105,6 +111,8 @@ pub struct MysqlStore {
     renewals: Arc<OnceLock<MySqlPool>>,
     sql: Arc<Sql>,
     purge: Arc<PurgeSchedule>,
+    /// When a call last warned that it waited for a connection of the pool.
+    pool_waits: Arc<sql::Throttle>,
     transactional_claim: TransactionalClaim,
 }
 
@@ -123,16 +131,35 @@ impl std::fmt::Debug for MysqlStore {
 
 impl MysqlStore {
     /// Connects a pool of up to 10 connections to `url`
-    /// (`mysql://user:password@host:port/database`).
+    /// (`mysql://user:password@host:port/database`): enough for a consumer running up
+    /// to about 8 calls at once. For more, use [`connect_with`](MysqlStore::connect_with).
     /// Refuses a server whose settings would break the store's promise (see
     /// [`check_server`](MysqlStore::check_server)).
     pub async fn connect(url: &str) -> Result<MysqlStore, StoreError> {
-        let pool = MySqlPoolOptions::new()
-            .max_connections(10)
-            .acquire_timeout(Duration::from_secs(5))
-            .connect(url)
-            .await
-            .map_err(StoreError::unavailable)?;
+        let options = MySqlPoolOptions::new().acquire_timeout(Duration::from_secs(5));
+        MysqlStore::connect_with(url, options.max_connections(10)).await
+    }
+
+    /// Connects a pool made with `options` to `url`, as [`connect`](MysqlStore::connect)
+    /// does: its `max_connections` should be the consumer's concurrency plus a few
+    /// (see [`MysqlStore`]).
+    ///
+    /// ```no_run
+    /// # async fn demo() -> Result<(), idempotent_runtime::StoreError> {
+    /// use idempotent_runtime::MysqlStore;
+    /// use sqlx::mysql::MySqlPoolOptions;
+    ///
+    /// // A consumer with `.concurrency(64)`:
+    /// let options = MySqlPoolOptions::new().max_connections(68);
+    /// let store = MysqlStore::connect_with("mysql://app@127.0.0.1/app", options).await?;
+    /// # Ok(()) }
+    /// ```
+    pub async fn connect_with(
+        url: &str,
+        options: MySqlPoolOptions,
+    ) -> Result<MysqlStore, StoreError> {
+        let timeout = options.get_acquire_timeout();
+        let pool = options.connect(url).await.map_err(|e| sql::connect_error(e, timeout))?;
         let store = MysqlStore::from_pool(pool);
         store.check_server().await?;
         Ok(store)
@@ -178,6 +205,7 @@ impl MysqlStore {
             renewals: Arc::default(),
             sql: Arc::new(Sql::new(DEFAULT_TABLE)),
             purge: Arc::default(),
+            pool_waits: Arc::default(),
             transactional_claim: TransactionalClaim::default(),
         }
     }
@@ -243,6 +271,13 @@ impl MysqlStore {
             .await
             .map_err(sql::store_error)?;
         Ok(done.rows_affected())
+    }
+
+    /// A connection of the pool for a call (see [`sql::acquire`]).
+    pub(crate) async fn acquire(
+        &self,
+    ) -> Result<sqlx::pool::PoolConnection<sqlx::MySql>, StoreError> {
+        sql::acquire(&self.pool, &self.pool_waits).await
     }
 
     /// The renewals' pool, created on the first claim (inside the runtime).
@@ -959,7 +994,7 @@ impl Store for MysqlStore {
         ttl: Duration,
         fingerprint: Option<&Fingerprint>,
     ) -> Result<Claim, StoreError> {
-        let mut conn = self.pool.acquire().await.map_err(StoreError::unavailable)?;
+        let mut conn = self.acquire().await?;
         self.claim_on(&mut conn, key, lease, ttl, fingerprint).await
     }
 
@@ -970,7 +1005,7 @@ impl Store for MysqlStore {
         ttl: Duration,
         result: Option<&[u8]>,
     ) -> Result<Transition, StoreError> {
-        self.complete_on(&self.pool, key, token, ttl, result).await
+        self.complete_on(&mut *self.acquire().await?, key, token, ttl, result).await
     }
 
     async fn release(&self, key: &Key, token: Token) -> Result<Transition, StoreError> {
@@ -980,7 +1015,7 @@ impl Store for MysqlStore {
             token: token.as_u128().to_be_bytes(),
             ..Values::default()
         };
-        self.update(&self.pool, &self.sql.release, &values).await
+        self.update(&mut *self.acquire().await?, &self.sql.release, &values).await
     }
 
     async fn fail(&self, key: &Key, token: Token, ttl: Duration) -> Result<Transition, StoreError> {
@@ -992,7 +1027,7 @@ impl Store for MysqlStore {
             ttl: micros(ttl),
             ..Values::default()
         };
-        self.update(&self.pool, &self.sql.finish, &values).await
+        self.update(&mut *self.acquire().await?, &self.sql.finish, &values).await
     }
 
     async fn renew(

@@ -41,13 +41,18 @@ pub use crate::transactional::TransactionalClaim;
 ///   locked by a consumer whose host died between its DONE update and COMMIT): a claim
 ///   then answers [`Claim::InProgress`] instead of blocking.
 /// * Lease renewals run on [`RENEWAL_CONNECTIONS`] connections of their own, opened
-///   with the pool's connect options on first use (a hook the pool runs on its own,
-///   `after_connect`, does not run on them: put what every connection needs in the
-///   connect options), so they never wait behind the handlers' transactions; size
-///   the pool for the handlers in flight (in `transactional` mode each holds one
-///   connection from its claim to its commit) plus a few for plain claims. A
-///   transactional handler waits for its connection before it claims, so a full pool
-///   delays claims rather than eating into leases.
+///   on first use with the pool's connect and pool options, `after_connect` included
+///   (a `search_path` set there holds for them too), so they never wait behind the
+///   handlers' transactions.
+/// * The pool bounds how many calls run at once: size it for the handlers in flight
+///   (in `transactional` mode each holds one connection from its claim to its
+///   commit) plus a few for plain claims. [`connect`](PostgresStore::connect) opens up
+///   to 10; [`connect_with`](PostgresStore::connect_with) takes your pool options. A
+///   call that had to wait for a connection logs a warning (at most once a minute)
+///   saying so, and one that finds none within the pool's acquire timeout fails
+///   with an error saying how to size the pool. A transactional handler waits for
+///   its connection before it claims, so a full pool delays claims rather than
+///   eating into leases.
 /// * Errors that retrying can't fix (a value the database refuses) are
 ///   [`StoreError::Rejected`]: the message is dead-lettered, not retried for ever.
 /// * Expired rows are deleted in the background, [`PURGE_BATCH`] at a time, every
@@ -83,6 +88,8 @@ pub struct PostgresStore {
     renewals: Arc<OnceLock<PgPool>>,
     sql: Arc<Sql>,
     purge: Arc<PurgeSchedule>,
+    /// When a call last warned that it waited for a connection of the pool.
+    pool_waits: Arc<sql::Throttle>,
     transactional_claim: TransactionalClaim,
 }
 
@@ -108,14 +115,33 @@ impl std::fmt::Debug for PostgresStore {
 
 impl PostgresStore {
     /// Connects a pool of up to 10 connections to `url`
-    /// (`postgres://user:password@host:port/database`).
+    /// (`postgres://user:password@host:port/database`): enough for a consumer running
+    /// up to about 8 calls at once. For more, use
+    /// [`connect_with`](PostgresStore::connect_with).
     pub async fn connect(url: &str) -> Result<PostgresStore, StoreError> {
-        let pool = PgPoolOptions::new()
-            .max_connections(10)
-            .acquire_timeout(Duration::from_secs(5))
-            .connect(url)
-            .await
-            .map_err(StoreError::unavailable)?;
+        let options = PgPoolOptions::new().acquire_timeout(Duration::from_secs(5));
+        PostgresStore::connect_with(url, options.max_connections(10)).await
+    }
+
+    /// Connects a pool made with `options` to `url`: its `max_connections` should be
+    /// the consumer's concurrency plus a few (see [`PostgresStore`]).
+    ///
+    /// ```no_run
+    /// # async fn demo() -> Result<(), idempotent_runtime::StoreError> {
+    /// use idempotent_runtime::PostgresStore;
+    /// use sqlx::postgres::PgPoolOptions;
+    ///
+    /// // A consumer with `.concurrency(64)`:
+    /// let options = PgPoolOptions::new().max_connections(68);
+    /// let store = PostgresStore::connect_with("postgres://postgres@127.0.0.1/app", options).await?;
+    /// # Ok(()) }
+    /// ```
+    pub async fn connect_with(
+        url: &str,
+        options: PgPoolOptions,
+    ) -> Result<PostgresStore, StoreError> {
+        let timeout = options.get_acquire_timeout();
+        let pool = options.connect(url).await.map_err(|e| sql::connect_error(e, timeout))?;
         Ok(PostgresStore::from_pool(pool))
     }
 
@@ -126,6 +152,7 @@ impl PostgresStore {
             renewals: Arc::default(),
             sql: Arc::new(Sql::new(DEFAULT_TABLE)),
             purge: Arc::default(),
+            pool_waits: Arc::default(),
             transactional_claim: TransactionalClaim::default(),
         }
     }
@@ -214,6 +241,13 @@ CREATE INDEX IF NOT EXISTS {index}_expires_at ON {t} (expires_at);"
         Ok(done.rows_affected())
     }
 
+    /// A connection of the pool for a call (see [`sql::acquire`]).
+    pub(crate) async fn acquire(
+        &self,
+    ) -> Result<sqlx::pool::PoolConnection<sqlx::Postgres>, StoreError> {
+        sql::acquire(&self.pool, &self.pool_waits).await
+    }
+
     /// The renewals' pool, created on the first claim (inside the runtime), which
     /// opens its first connection in the background, before the first renewal is due.
     fn renewal_pool(&self) -> &PgPool {
@@ -229,7 +263,7 @@ CREATE INDEX IF NOT EXISTS {index}_expires_at ON {t} (expires_at);"
         fingerprint: Option<&Fingerprint>,
         commit: ClaimCommit,
     ) -> Result<Claim, StoreError> {
-        let mut conn = self.pool.acquire().await.map_err(StoreError::unavailable)?;
+        let mut conn = self.acquire().await?;
         self.claim_on(&mut conn, key, lease, ttl, fingerprint, commit).await
     }
 
@@ -839,16 +873,16 @@ impl Store for PostgresStore {
         result: Option<&[u8]>,
     ) -> Result<Transition, StoreError> {
         let extra = Extra::Finish { state: b'D' as i8, ttl: millis(ttl), result };
-        self.update(&self.pool, &self.sql.finish, key, token, extra).await
+        self.update(&mut *self.acquire().await?, &self.sql.finish, key, token, extra).await
     }
 
     async fn release(&self, key: &Key, token: Token) -> Result<Transition, StoreError> {
-        self.update(&self.pool, &self.sql.release, key, token, Extra::None).await
+        self.update(&mut *self.acquire().await?, &self.sql.release, key, token, Extra::None).await
     }
 
     async fn fail(&self, key: &Key, token: Token, ttl: Duration) -> Result<Transition, StoreError> {
         let extra = Extra::Finish { state: b'F' as i8, ttl: millis(ttl), result: None };
-        self.update(&self.pool, &self.sql.finish, key, token, extra).await
+        self.update(&mut *self.acquire().await?, &self.sql.finish, key, token, extra).await
     }
 
     async fn renew(

@@ -36,6 +36,96 @@ pub(crate) fn renewal_pool<DB: sqlx::Database>(pool: &sqlx::Pool<DB>) -> sqlx::P
         .connect_lazy_with((*pool.connect_options()).clone())
 }
 
+/// How long a call may wait for one of the pool's connections before the wait is
+/// worth a warning: past it, the pool, not the database, is what paces the calls.
+pub(crate) const POOL_WAIT_WARNING: Duration = Duration::from_millis(100);
+
+/// A connection of `pool` for one of a call's statements (or, in `transactional`
+/// mode, for its whole transaction). A call that found the pool full and waited
+/// [`POOL_WAIT_WARNING`] or more logs a warning, at most once a minute per store
+/// (`warned`), saying how to size the pool; one that got no connection within the
+/// pool's acquire timeout fails with an error saying why: the pool was full, or the
+/// server took no connection (sqlx reports both as "pool timed out").
+pub(crate) async fn acquire<DB: sqlx::Database>(
+    pool: &sqlx::Pool<DB>,
+    warned: &Throttle,
+) -> Result<sqlx::pool::PoolConnection<DB>, StoreError> {
+    let max = pool.options().get_max_connections();
+    let full = pool.num_idle() == 0 && pool.size() >= max;
+    let asked_at = std::time::Instant::now();
+    match pool.acquire().await {
+        Ok(conn) => {
+            let waited = asked_at.elapsed();
+            if full && waited >= POOL_WAIT_WARNING {
+                warn_pool_full(max, waited, warned);
+            }
+            Ok(conn)
+        }
+        Err(sqlx::Error::PoolTimedOut) if full => {
+            let timeout = pool.options().get_acquire_timeout();
+            Err(StoreError::unavailable(format!(
+                "none of the store pool's {max} connections came free within {timeout:?}: \
+                 more calls run at once than the pool has connections (a transactional \
+                 handler holds one until it commits); give the pool more connections \
+                 (`max_connections`, through the store's `connect_with` or your own pool) or \
+                 run fewer calls at once"
+            )))
+        }
+        Err(error) => Err(connect_error(error, pool.options().get_acquire_timeout())),
+    }
+}
+
+/// An error opening a connection within `timeout` as a store error: sqlx tries a
+/// server that refuses connections again until the timeout, then reports only "pool
+/// timed out".
+pub(crate) fn connect_error(error: sqlx::Error, timeout: Duration) -> StoreError {
+    match error {
+        sqlx::Error::PoolTimedOut => StoreError::unavailable(format!(
+            "the database accepted no connection within {timeout:?}: check that the server \
+             is up and reachable at the URL the store was given"
+        )),
+        error => store_error(error),
+    }
+}
+
+/// Logs that calls queue on the pool, unless `warned` did within the minute.
+fn warn_pool_full(max: u32, waited: Duration, warned: &Throttle) {
+    if warned.due() {
+        tracing::warn!(
+            max_connections = max,
+            waited_ms = u64::try_from(waited.as_millis()).unwrap_or(u64::MAX),
+            "a call waited for one of the idempotency store pool's connections: more calls \
+             run at once than the pool has connections, so the pool paces the consumer (a \
+             transactional handler holds its connection until it commits). Give the pool \
+             the consumer's concurrency plus a few (`max_connections`, through the store's \
+             `connect_with` or your own pool), or lower the concurrency"
+        );
+    }
+}
+
+/// Lets a log line through at most once a minute.
+#[derive(Debug, Default)]
+pub(crate) struct Throttle {
+    last: std::sync::Mutex<Option<std::time::Instant>>,
+}
+
+impl Throttle {
+    const fn new() -> Throttle {
+        Throttle { last: std::sync::Mutex::new(None) }
+    }
+
+    /// Whether a minute or more has passed since it last said so (true the first time).
+    fn due(&self) -> bool {
+        let now = std::time::Instant::now();
+        let mut last = self.last.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        let due = last.is_none_or(|at| now.duration_since(at) >= Duration::from_secs(60));
+        if due {
+            *last = Some(now);
+        }
+        due
+    }
+}
+
 /// Begins a transaction on a connection of `pool` in a task of its own, so that it
 /// always finishes: sqlx counts a transaction as open only once the server answered
 /// its `BEGIN`, so a begin dropped halfway (a start-up `timeout`, a `select!`) would
@@ -140,11 +230,8 @@ pub(crate) fn store_error(error: sqlx::Error) -> StoreError {
 
 /// Logs a configuration error at ERROR, at most once a minute for the process.
 fn log_misconfigured(text: &str) {
-    static LAST: std::sync::Mutex<Option<std::time::Instant>> = std::sync::Mutex::new(None);
-    let now = std::time::Instant::now();
-    let mut last = LAST.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-    if last.is_none_or(|at| now.duration_since(at) >= Duration::from_secs(60)) {
-        *last = Some(now);
+    static LOGGED: Throttle = Throttle::new();
+    if LOGGED.due() {
         tracing::error!(
             error = text,
             "the SQL store can't record anything; every claim is refused until this is fixed"

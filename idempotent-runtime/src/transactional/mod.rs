@@ -61,8 +61,11 @@ pub enum TransactionalClaim {
     ///   PostgreSQL it is answered `InProgress` at once (the claim also takes a
     ///   transaction-scoped advisory lock on the key's hash, and a duplicate that
     ///   can't take it does not wait); on MySQL, which has no transaction-scoped
-    ///   advisory locks, it waits for the transaction, up to the store's
-    ///   `LOCK_TIMEOUT` (2 s), and then gets the committed answer or `InProgress`;
+    ///   advisory locks, it waits for the transaction, and then gets the committed
+    ///   answer or `InProgress`: on MariaDB up to the store's `LOCK_TIMEOUT` (2 s); on
+    ///   MySQL 8, which can't bound one statement's lock wait, up to the session's
+    ///   `innodb_lock_wait_timeout` (50 s unless the pool's connections set less, as
+    ///   `SET SESSION innodb_lock_wait_timeout = 2` in `after_connect`);
     /// * attempts are counted when a handler returns an error or panics, or its
     ///   transaction fails to commit, but not when its consumer dies or its call is
     ///   dropped mid-handler (that rolls the attempt
@@ -76,7 +79,8 @@ pub enum TransactionalClaim {
     ///   more statement to date the DONE record from its completion;
     /// * a claim-first consumer of the same record (a plain handler on this store, or
     ///   another process configured otherwise) waits up to the store's
-    ///   `LOCK_TIMEOUT` on a record this mode holds before answering `InProgress`.
+    ///   `LOCK_TIMEOUT` (on MySQL 8, the session's `innodb_lock_wait_timeout`) on a
+    ///   record this mode holds before answering `InProgress`.
     InTransaction,
 }
 

@@ -73,7 +73,7 @@ impl Completion<MysqlStore> for InTransaction<'_> {
         spec: &Spec,
         fingerprint: Option<&Fingerprint>,
     ) -> Result<Claim, StoreError> {
-        let mut conn = store.pool().acquire().await.map_err(StoreError::unavailable)?;
+        let mut conn = store.acquire().await?;
         self.claimed_at = tokio::time::Instant::now();
         if self.inline {
             let mut tx = begin_read_committed(conn, spec).await?;

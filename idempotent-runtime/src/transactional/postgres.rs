@@ -80,7 +80,7 @@ impl Completion<PostgresStore> for InTransaction<'_> {
         spec: &Spec,
         fingerprint: Option<&Fingerprint>,
     ) -> Result<Claim, StoreError> {
-        let mut conn = store.pool().acquire().await.map_err(StoreError::unavailable)?;
+        let mut conn = store.acquire().await?;
         let (lease, ttl) = (spec.lease(), spec.ttl());
         self.claimed_at = tokio::time::Instant::now();
         if self.inline {
