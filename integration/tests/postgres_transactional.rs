@@ -419,6 +419,48 @@ async fn a_claim_in_the_transaction_commits_nothing_before_done_and_turns_duplic
     bank.drop_tables().await;
 }
 
+/// Two stores naming one records table differently (`records`, `public.records`), as
+/// two services configured apart would: a duplicate through the other name is
+/// answered `InProgress` at once too, not left waiting on the uncommitted record.
+#[tokio::test]
+async fn a_claim_in_the_transaction_turns_duplicates_away_under_any_spelling_of_the_table() {
+    let Some(bank) = Bank::open_with(5, TransactionalClaim::InTransaction).await else { return };
+    let qualified = format!("public.{}", bank.records);
+    let store = PostgresStore::from_pool(bank.store.pool().clone()).with_table(&qualified).unwrap();
+    let other = Bank {
+        store: store.with_transactional_claim(TransactionalClaim::InTransaction),
+        records: qualified,
+        ledger: bank.ledger.clone(),
+        insert: bank.insert.clone(),
+        script: Mutex::new(VecDeque::new()),
+        random: AtomicU64::new(0),
+        reached: Notify::new(),
+        go: Notify::new(),
+        pid: Mutex::new(None),
+    };
+    let msg = debit_of(9);
+    bank.script(&[Fault::Hang]);
+    {
+        let call = debit(&msg, &bank);
+        tokio::pin!(call);
+        tokio::select! {
+            out = &mut call => panic!("the hanging run returned {out:?}"),
+            () = bank.reached.notified() => {}
+        }
+        let started = std::time::Instant::now();
+        let duplicate = tokio::time::timeout(Duration::from_secs(10), debit(&msg, &other)).await;
+        assert!(matches!(
+            duplicate.expect("the duplicate waited").unwrap(),
+            Outcome::InProgress { .. }
+        ));
+        assert!(started.elapsed() < LOCK_TIMEOUT / 2, "{:?}", started.elapsed());
+    }
+    assert_eq!(deliver_until_settled(&other, &msg).await.unwrap(), Outcome::Processed(109));
+    assert_eq!(debit(&msg, &bank).await.unwrap(), Outcome::Replayed(109));
+    assert_eq!(bank.rows(9).await, 1);
+    bank.drop_tables().await;
+}
+
 #[tokio::test]
 async fn a_connection_killed_mid_handler_is_retryable_and_commits_nothing() {
     a_connection_killed_mid_handler_is_retryable_and_commits_nothing_with(

@@ -97,6 +97,8 @@ pub struct PostgresStore {
 /// without copying the text.
 struct Sql {
     table: String,
+    /// `table` as the server resolves it, `schema.name`, once a claim asked.
+    resolved: OnceLock<String>,
     claim: SqlStr,
     claim_deferred: SqlStr,
     claim_in_transaction: SqlStr,
@@ -331,7 +333,7 @@ CREATE INDEX IF NOT EXISTS {index}_expires_at ON {t} (expires_at);"
     ) -> Result<Claim, StoreError> {
         self.maybe_purge();
         let stored = key.stored();
-        let lock = advisory_lock_id(&self.sql.table, stored.as_ref());
+        let lock = advisory_lock_id(self.resolved_table(conn).await?, stored.as_ref());
         for _ in 0..10 {
             // The outcome is NULL when the record went between the insert's check and
             // the read of why it failed: ask again.
@@ -348,6 +350,24 @@ CREATE INDEX IF NOT EXISTS {index}_expires_at ON {t} (expires_at);"
             return claim_answer(&outcome, attempts, result, None, Token::random(), None);
         }
         Err(StoreError::Protocol("claim saw no record after 10 tries".to_owned()))
+    }
+
+    /// The records table as the server resolves it (`schema.name`), asked on `conn`
+    /// once: the advisory lock ids hash it, so that stores given two spellings of one
+    /// table (`records`, `public.records`) lock alike.
+    async fn resolved_table(&self, conn: &mut PgConnection) -> Result<&str, StoreError> {
+        if let Some(name) = self.sql.resolved.get() {
+            return Ok(name);
+        }
+        let (name,): (String,) = sqlx::query_as(
+            "SELECT n.nspname || '.' || c.relname FROM pg_class c \
+             JOIN pg_namespace n ON n.oid = c.relnamespace WHERE c.oid = $1::regclass",
+        )
+        .bind(&self.sql.table)
+        .fetch_one(&mut *conn)
+        .await
+        .map_err(sql::store_error)?;
+        Ok(self.sql.resolved.get_or_init(|| name))
     }
 
     /// Dates the DONE record [`claim_in_transaction`](Self::claim_in_transaction) wrote
@@ -511,6 +531,7 @@ impl Sql {
         );
         Sql {
             table: t.to_owned(),
+            resolved: OnceLock::new(),
             claim: statement(claim_sql(t, ClaimCommit::Durable)),
             claim_deferred: statement(claim_sql(t, ClaimCommit::Deferred)),
             claim_in_transaction: statement(claim_in_transaction_sql(t)),
@@ -638,8 +659,9 @@ WHERE NOT EXISTS (SELECT 1 FROM claimed)"
 }
 
 /// The advisory lock [`claim_in_transaction_sql`] takes for a record: FNV-1a (64 bits)
-/// of the table's name and the stored key, the same in every process and version.
-/// Two keys that share it only make one of them wait its turn (`InProgress`).
+/// of the table's name as the server resolves it (`schema.name`) and the stored key,
+/// the same in every process. Two keys that share it only make one of them wait its
+/// turn (`InProgress`).
 fn advisory_lock_id(table: &str, stored: &[u8]) -> i64 {
     let mut hash = 0xcbf2_9ce4_8422_2325_u64;
     for &byte in table.as_bytes().iter().chain(&[0]).chain(stored) {
