@@ -320,3 +320,38 @@ async fn a_missing_records_table_says_to_run_migrate() {
         "{err}"
     );
 }
+
+/// A pool whose `after_connect` chooses the database (`USE`) the records table is in,
+/// named without its database: lease renewals run on connections of their own,
+/// which must get the same session, or every renewal misses the table, the lease
+/// lapses mid-handler and another consumer runs the message again.
+#[tokio::test]
+async fn renewals_get_the_session_after_connect_sets() {
+    let Some(admin) = mysql::pool(1).await else { return };
+    let database = mysql::table("sv");
+    sqlx::query(AssertSqlSafe(format!("CREATE DATABASE {database}")))
+        .execute(&admin)
+        .await
+        .unwrap();
+    let session: &'static str = Box::leak(format!("USE {database}").into_boxed_str());
+    let (one, other) = (
+        mysql::pool_with(1, &[session]).await.unwrap(),
+        mysql::pool_with(2, &[session]).await.unwrap(),
+    );
+    let store = MysqlStore::from_pool(one).with_table("records").unwrap();
+    store.migrate().await.unwrap();
+    let create = "CREATE TABLE ledger (message_id bigint NOT NULL, KEY (message_id))";
+    sqlx::query(create).execute(store.pool()).await.unwrap();
+    let ledger = Ledger { store, records: "records".into(), ledger: "ledger".into() };
+    let rival = ledger.other_consumer(other);
+    let running = slow_write(4, Duration::from_millis(1200), &ledger);
+    let probe = async {
+        tokio::time::sleep(Duration::from_millis(900)).await;
+        slow_write(4, Duration::ZERO, &rival).await
+    };
+    let (ran, probed) = tokio::join!(running, probe);
+    assert!(matches!(ran, Ok(Outcome::Processed(()))), "{ran:?}");
+    assert!(matches!(probed, Ok(Outcome::InProgress { .. })), "the lease lapsed: {probed:?}");
+    assert_eq!(ledger.rows(4).await, 1);
+    sqlx::query(AssertSqlSafe(format!("DROP DATABASE {database}"))).execute(&admin).await.unwrap();
+}
