@@ -22,8 +22,13 @@ fn suite_table() -> &'static str {
 /// server answers outside CI. The first call also drops suite tables that earlier
 /// runs left behind more than an hour ago.
 async fn store() -> Option<MysqlStore> {
+    store_with(&[]).await
+}
+
+/// As [`store`], with `session` run on every connection.
+async fn store_with(session: &[&'static str]) -> Option<MysqlStore> {
     static SWEPT: AtomicBool = AtomicBool::new(false);
-    let pool = mysql::pool(10).await?;
+    let pool = mysql::pool_with(10, session).await?;
     if !SWEPT.swap(true, Ordering::SeqCst) {
         let stale: Vec<String> = sqlx::query_scalar(
             "SELECT CAST(table_name AS CHAR) FROM information_schema.tables
@@ -46,6 +51,70 @@ idempotent::store_suite!(match store().await {
     Some(store) => store,
     None => return,
 });
+
+/// The suite with the session's binary log in ROW format (MySQL 8's default), beside
+/// the server's own MIXED (MariaDB's default) that every other test here runs under
+/// in CI.
+mod row_binlog {
+    idempotent::store_suite!(
+        match super::store_with(&["SET SESSION binlog_format = 'ROW'"]).await {
+            Some(store) => store,
+            None => return,
+        }
+    );
+}
+
+/// CI's server logs as a primary with replicas does (binary log on, MIXED), so that
+/// every MySQL test runs under it: checked here, from the server, so the setting
+/// can't go missing unseen.
+#[test]
+fn ci_runs_the_tests_with_the_binary_log_on() {
+    block_on(async {
+        if std::env::var_os("CI").is_none() {
+            return;
+        }
+        let pool = mysql::pool(1).await.unwrap();
+        let (log_bin, format): (i64, String) =
+            sqlx::query_as("SELECT @@log_bin, CAST(@@binlog_format AS CHAR)")
+                .fetch_one(&pool)
+                .await
+                .unwrap();
+        assert_eq!(
+            (log_bin, format.as_str()),
+            (1, "MIXED"),
+            "start the server as .ci/services does"
+        );
+    });
+}
+
+/// A session whose binary log is in STATEMENT format can't log the READ COMMITTED
+/// transactions of transactional handlers (error 1665 on every message): the store
+/// refuses it when it connects, saying what to set, instead of dead-lettering
+/// messages later.
+#[test]
+fn a_statement_binary_log_is_refused_at_connect() {
+    block_on(async {
+        let Some(pool) = mysql::pool(1).await else { return };
+        let log_bin: i64 = sqlx::query_scalar("SELECT @@log_bin").fetch_one(&pool).await.unwrap();
+        if log_bin == 0 {
+            // A server without a binary log logs nothing, in any format (not CI's).
+            return;
+        }
+        let statement = "SET SESSION binlog_format = 'STATEMENT'";
+        let options = sqlx::mysql::MySqlPoolOptions::new().max_connections(2).after_connect(
+            move |conn, _| {
+                Box::pin(async move { sqlx::Executor::execute(conn, statement).await.map(drop) })
+            },
+        );
+        let refused = MysqlStore::connect_with(&mysql::url(), options).await.unwrap_err();
+        assert!(matches!(refused, idempotent::StoreError::Misconfigured(_)), "{refused:?}");
+        let text = refused.to_string();
+        assert!(
+            text.contains("binlog_format=STATEMENT") && text.contains("binlog_format=ROW"),
+            "{text}"
+        );
+    });
+}
 
 const LEASE: Duration = Duration::from_secs(30);
 const TTL: Duration = Duration::from_secs(60);
