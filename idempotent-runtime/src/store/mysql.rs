@@ -403,11 +403,25 @@ impl MysqlStore {
         Ok(Some(result.map_or(Claim::Done, Claim::Cached)))
     }
 
-    /// Records DONE through `on`: the pool, or a connection inside the caller's
-    /// transaction (the record then becomes DONE when, and only if, that transaction
-    /// commits).
-    pub(crate) async fn complete_on(
+    /// Records DONE through `conn`, inside the handler's transaction: the record
+    /// becomes DONE when, and only if, that transaction commits. On MariaDB a
+    /// transaction that has ended changes nothing ([`Transition::LeaseLost`]: ask
+    /// `@@in_transaction` which it was).
+    pub(crate) async fn complete_in_transaction(
         &self,
+        conn: &mut MySqlConnection,
+        key: &Key,
+        token: Token,
+        ttl: Duration,
+        result: Option<&[u8]>,
+    ) -> Result<Transition, StoreError> {
+        self.complete_with(&self.sql.finish_in_transaction, conn, key, token, ttl, result).await
+    }
+
+    /// Records DONE with `statement` through `on`.
+    async fn complete_with(
+        &self,
+        statement: &Statement,
         on: impl MySqlExecutor<'_>,
         key: &Key,
         token: Token,
@@ -423,11 +437,12 @@ impl MysqlStore {
             result,
             ..Values::default()
         };
-        self.update(on, &self.sql.finish, &values).await
+        self.update(on, statement, &values).await
     }
 
     /// Dates an in-transaction claim's DONE record from now, with `result`, in the
-    /// transaction on `conn`.
+    /// transaction on `conn` (on MariaDB, only while it stands, as
+    /// [`complete_in_transaction`](Self::complete_in_transaction)).
     pub(crate) async fn redate_done(
         &self,
         conn: &mut MySqlConnection,
@@ -633,6 +648,8 @@ struct Sql {
     fail_done: Statement,
     cached: Statement,
     finish: Statement,
+    /// `finish`, only inside the transaction the handler was given.
+    finish_in_transaction: Statement,
     release: Statement,
     renew: Statement,
     purge: SqlStr,
@@ -641,6 +658,13 @@ struct Sql {
 /// Put before each statement: MariaDB runs it with a lock wait of [`LOCK_TIMEOUT`]
 /// (`SET STATEMENT ... FOR`, MariaDB's syntax, in a comment only MariaDB executes);
 /// MySQL reads a comment.
+/// The condition that a handler's transaction still stands, for the statements that
+/// record DONE in it: on MariaDB `@@in_transaction` (in a `/*M! ... */` comment that
+/// only MariaDB executes), so that after a handler ended its transaction early (DDL,
+/// its own `COMMIT`, a deadlock) DONE changes nothing rather than committing on its
+/// own. MySQL has no such variable, and there the condition is left out.
+const STILL_IN_TRANSACTION: &str = " /*M! AND @@in_transaction = 1 */";
+
 const LOCK_WAIT: &str = "/*M!100300 SET STATEMENT innodb_lock_wait_timeout = 2 FOR */ ";
 
 /// The database's clock, in UTC, fixed for the statement.
@@ -653,13 +677,17 @@ impl Sql {
             table.split('.').map(|part| format!("`{part}`")).collect::<Vec<_>>().join(".");
         let live =
             format!("`key` = :key AND state = 'P' AND token = :token AND expires_at > {NOW}");
+        let finish = format!(
+            "{LOCK_WAIT}UPDATE {t} SET state = :state, token = NULL, lease_until = NULL,
+    expires_at = {NOW} + INTERVAL :ttl MICROSECOND, result = :result WHERE {live}"
+        );
         Sql {
             table: table.to_owned(),
             claim: Statement::new(&claim_sql(&t, 'P')),
             claim_done: Statement::new(&claim_sql(&t, 'D')),
             redate: Statement::new(&format!(
                 "{LOCK_WAIT}UPDATE {t} SET expires_at = {NOW} + INTERVAL :ttl MICROSECOND,
-    result = :result WHERE `key` = :key AND state = 'D' AND token = :token"
+    result = :result WHERE `key` = :key AND state = 'D' AND token = :token{STILL_IN_TRANSACTION}"
             )),
             fail_done: Statement::new(&format!(
                 "{LOCK_WAIT}UPDATE {t} SET state = 'F', token = NULL, result = NULL,
@@ -668,10 +696,8 @@ impl Sql {
             cached: Statement::new(&format!(
                 "SELECT result FROM {t} WHERE `key` = :key AND state = 'D' AND expires_at > {NOW}"
             )),
-            finish: Statement::new(&format!(
-                "{LOCK_WAIT}UPDATE {t} SET state = :state, token = NULL, lease_until = NULL,
-    expires_at = {NOW} + INTERVAL :ttl MICROSECOND, result = :result WHERE {live}"
-            )),
+            finish: Statement::new(&finish),
+            finish_in_transaction: Statement::new(&format!("{finish}{STILL_IN_TRANSACTION}")),
             release: Statement::new(&format!(
                 "{LOCK_WAIT}UPDATE {t} SET state = 'R', token = NULL, lease_until = NULL WHERE {live}"
             )),
@@ -1005,7 +1031,8 @@ impl Store for MysqlStore {
         ttl: Duration,
         result: Option<&[u8]>,
     ) -> Result<Transition, StoreError> {
-        self.complete_on(&mut *self.acquire().await?, key, token, ttl, result).await
+        let conn = &mut *self.acquire().await?;
+        self.complete_with(&self.sql.finish, conn, key, token, ttl, result).await
     }
 
     async fn release(&self, key: &Key, token: Token) -> Result<Transition, StoreError> {

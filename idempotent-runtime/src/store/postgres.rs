@@ -104,6 +104,8 @@ struct Sql {
     claim_in_transaction: SqlStr,
     redate_done: SqlStr,
     finish: SqlStr,
+    /// `finish`, only inside the transaction the handler was given.
+    finish_in_transaction: SqlStr,
     release: SqlStr,
     renew: SqlStr,
     purge: SqlStr,
@@ -412,9 +414,11 @@ CREATE INDEX IF NOT EXISTS {index}_expires_at ON {t} (expires_at);"
         Ok(done.rows_affected() == 1)
     }
 
-    /// Records DONE through `conn`, inside the caller's transaction: the record
-    /// becomes DONE when, and only if, that transaction commits.
-    pub(crate) async fn complete_on(
+    /// Records DONE through `conn`, inside the handler's transaction: the record
+    /// becomes DONE when, and only if, that transaction commits. A transaction that
+    /// has ended changes nothing ([`Transition::LeaseLost`]: ask the marker which it
+    /// was).
+    pub(crate) async fn complete_in_transaction(
         &self,
         conn: &mut PgConnection,
         key: &Key,
@@ -423,7 +427,7 @@ CREATE INDEX IF NOT EXISTS {index}_expires_at ON {t} (expires_at);"
         result: Option<&[u8]>,
     ) -> Result<Transition, StoreError> {
         let extra = Extra::Finish { state: b'D' as i8, ttl: millis(ttl), result };
-        self.update(conn, &self.sql.finish, key, token, extra).await
+        self.update(conn, &self.sql.finish_in_transaction, key, token, extra).await
     }
 
     async fn update(
@@ -529,6 +533,11 @@ impl Sql {
         let live = format!(
             "key = $1 AND state = 'P' AND token = $2 AND expires_at > clock_timestamp() AND {lock}"
         );
+        // $3 state (D or F), $4 ttl ms, $5 result.
+        let finish = format!(
+            "UPDATE {t} SET state = $3::\"char\", token = NULL, lease_until = NULL,
+    expires_at = clock_timestamp() + $4 * interval '1 millisecond', result = $5 WHERE {live}"
+        );
         Sql {
             table: t.to_owned(),
             resolved: OnceLock::new(),
@@ -538,13 +547,10 @@ impl Sql {
             // $2 ttl ms, $3 result. The row is the calling transaction's own.
             redate_done: statement(format!(
                 "UPDATE {t} SET expires_at = clock_timestamp() + $2 * interval '1 millisecond',
-    result = $3 WHERE key = $1 AND state = 'D'"
+    result = $3 WHERE key = $1 AND state = 'D' AND {STILL_IN_TRANSACTION}"
             )),
-            // $3 state (D or F), $4 ttl ms, $5 result.
-            finish: statement(format!(
-                "UPDATE {t} SET state = $3::\"char\", token = NULL, lease_until = NULL,
-    expires_at = clock_timestamp() + $4 * interval '1 millisecond', result = $5 WHERE {live}"
-            )),
+            finish_in_transaction: statement(format!("{finish} AND {STILL_IN_TRANSACTION}")),
+            finish: statement(finish),
             release: statement(format!(
                 "UPDATE {t} SET state = 'R', token = NULL, lease_until = NULL WHERE {live}"
             )),
@@ -657,6 +663,13 @@ FROM (SELECT) AS one LEFT JOIN {t} r ON r.key = $1 AND r.expires_at > clock_time
 WHERE NOT EXISTS (SELECT 1 FROM claimed)"
     )
 }
+
+/// The condition that the transaction a handler was given still stands, for the
+/// statements that record DONE in it: that transaction sets the marker when it
+/// begins (`SET LOCAL idempotent.transaction = 'begun'`, which goes with it), so after
+/// a handler ended it early (its own `COMMIT`) DONE changes nothing rather than
+/// committing on its own.
+const STILL_IN_TRANSACTION: &str = "current_setting('idempotent.transaction', true) = 'begun'";
 
 /// The advisory lock [`claim_in_transaction_sql`] takes for a record: FNV-1a (64 bits)
 /// of the table's name as the server resolves it (`schema.name`) and the stored key,

@@ -120,7 +120,21 @@ impl Completion<MysqlStore> for InTransaction<'_> {
             let error = StoreError::Protocol("the handler's transaction went missing".to_owned());
             return Completed::Failed { error, effects_kept: false };
         };
-        if !still_begun(&mut tx).await {
+        // What recording DONE answered; `None` when the claim's DONE stands as written.
+        let recorded = if !self.inline {
+            Some(store.complete_in_transaction(&mut *tx, key, token, spec.ttl(), result).await)
+        } else if result.is_some() || self.claimed_at.elapsed() > spec.lease() {
+            // The claim wrote DONE, without the result, kept `ttl` + `lease` from the
+            // claim: date it from now when that is too short.
+            Some(store.redate_done(&mut tx, key, token, spec.ttl(), result).await)
+        } else {
+            None
+        };
+        // The statement recording DONE checks that the transaction still stands too:
+        // the transaction is asked only when none ran or it changed nothing, so the
+        // common path pays no round trip for the check.
+        let confirmed = matches!(recorded, Some(Ok(Transition::Applied)));
+        if !confirmed && !still_begun(&mut tx).await {
             rollback(tx).await;
             let inline_done = match self.inline {
                 true => Some(store.fail_inline_done(key, token, spec.ttl()).await),
@@ -128,15 +142,7 @@ impl Completion<MysqlStore> for InTransaction<'_> {
             };
             return Completed::Ended(fail_ended(store, key, token, spec, inline_done).await);
         }
-        let recorded = if !self.inline {
-            store.complete_on(&mut *tx, key, token, spec.ttl(), result).await
-        } else if result.is_some() || self.claimed_at.elapsed() > spec.lease() {
-            // The claim wrote DONE, without the result, kept `ttl` + `lease` from the
-            // claim: date it from now when that is too short.
-            store.redate_done(&mut tx, key, token, spec.ttl(), result).await
-        } else {
-            Ok(Transition::Applied)
-        };
+        let recorded = recorded.unwrap_or(Ok(Transition::Applied));
         let completed = commit_if_recorded(tx, recorded).await;
         if self.inline && matches!(completed, Completed::Failed { effects_kept: false, .. }) {
             let claim = store.claim(key, spec.lease(), spec.ttl(), None);
