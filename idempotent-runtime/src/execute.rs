@@ -965,6 +965,13 @@ fn renewal_period(lease: Duration) -> Duration {
 /// hold): a consumer cut off from its store does not run beside one that took its
 /// key over. A call left unpolled past its hold (its task starved, its process
 /// stopped) waits for the renewal that was due in the same way.
+/// Counts and logs a renewal that failed or timed out (`why`), and returns `why`.
+fn renewal_failed<S: Store + ?Sized>(claim: &HeldClaim<'_, S>, why: String) -> String {
+    claim.meter.store_failed(Operation::Renew);
+    tracing::warn!(key = %claim.key.logged(), error = %why, "lease renewal failed; trying again");
+    why
+}
+
 async fn with_renewal<S, F>(
     claim: &HeldClaim<'_, S>,
     first: tokio::time::Instant,
@@ -1053,11 +1060,9 @@ where
                         }
                         // An older renewal failing was counted when it timed out.
                         Err(error) if is_current => {
-                            claim.meter.store_failed(Operation::Renew);
-                            tracing::warn!(key = %claim.key.logged(), %error, "lease renewal failed; trying again");
-                            last_failure = StoreError::to_string(&error);
                             current = None;
                             let now = tokio::time::Instant::now();
+                            last_failure = renewal_failed(claim, StoreError::to_string(&error));
                             if give_up_at.is_some_and(|until| now >= until) {
                                 return unconfirmed(&last_failure);
                             }
@@ -1069,9 +1074,7 @@ where
                 () = timer.as_mut() => {
                     let now = tokio::time::Instant::now();
                     if current.take().is_some() {
-                        claim.meter.store_failed(Operation::Renew);
-                        tracing::warn!(key = %claim.key.logged(), "lease renewal timed out; trying again");
-                        last_failure = "the last renewal timed out".to_owned();
+                        last_failure = renewal_failed(claim, "the last renewal timed out".to_owned());
                         if give_up_at.is_some_and(|until| now >= until) {
                             return unconfirmed(&last_failure);
                         }
