@@ -122,7 +122,7 @@ impl Completion<MysqlStore> for InTransaction<'_> {
         };
         // What recording DONE answered; `None` when the claim's DONE stands as written.
         let recorded = if !self.inline {
-            Some(store.complete_in_transaction(&mut *tx, key, token, spec.ttl(), result).await)
+            Some(store.complete_in_transaction(&mut tx, key, token, spec.ttl(), result).await)
         } else if result.is_some() || self.claimed_at.elapsed() > spec.lease() {
             // The claim wrote DONE, without the result, kept `ttl` + `lease` from the
             // claim: date it from now when that is too short.
