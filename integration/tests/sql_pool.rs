@@ -5,49 +5,21 @@
 //! none, fail with errors that say which of the two happened. Each test runs on both
 //! databases, with its own table.
 
+#[path = "support/log_capture.rs"]
+mod log_capture;
 #[path = "support/mysql.rs"]
 mod mysql;
 
-use std::io::Write;
-use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
 use idempotent::{Classify, Error, Outcome, idempotent};
+use log_capture::log;
 use tokio::sync::Notify;
 
 #[derive(Debug, thiserror::Error, Classify)]
 #[error("database: {0}")]
 #[idempotent(transparent)]
 struct DbError(#[from] sqlx::Error);
-
-/// Everything the library logs, at every level, for the whole test binary.
-fn log() -> Arc<Mutex<Vec<u8>>> {
-    static LOG: OnceLock<Arc<Mutex<Vec<u8>>>> = OnceLock::new();
-    LOG.get_or_init(|| {
-        let buffer = Arc::new(Mutex::new(Vec::new()));
-        let writer = buffer.clone();
-        tracing_subscriber::fmt()
-            .with_max_level(tracing::Level::TRACE)
-            .with_ansi(false)
-            .with_writer(move || Capture(writer.clone()))
-            .init();
-        buffer
-    })
-    .clone()
-}
-
-struct Capture(Arc<Mutex<Vec<u8>>>);
-
-impl Write for Capture {
-    fn write(&mut self, bytes: &[u8]) -> std::io::Result<usize> {
-        self.0.lock().unwrap().extend_from_slice(bytes);
-        Ok(bytes.len())
-    }
-
-    fn flush(&mut self) -> std::io::Result<()> {
-        Ok(())
-    }
-}
 
 /// The captured log lines that contain every one of `parts`.
 fn logged(parts: &[&str]) -> Vec<String> {

@@ -5,19 +5,20 @@
 //! password or URL in any error (`Display`, `Debug`, sources) or log line when
 //! connecting to Redis, PostgreSQL, MySQL or ZooKeeper fails.
 
+#[path = "support/log_capture.rs"]
+mod log_capture;
 #[path = "support/mysql.rs"]
 mod mysql;
 #[path = "support/tls_servers.rs"]
 mod tls_servers;
 
-use std::io::Write;
-use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 use idempotent::testing::{self, block_on};
 use idempotent::{
     Claim, MysqlStore, PostgresStore, RedisStore, Store, StoreError, Transition, ZooKeeperStore,
 };
+use log_capture::log;
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions, PgSslMode};
 use tls_servers::{Pki, TlsPostgres, TlsRedis, free_port, secret};
 
@@ -154,35 +155,6 @@ fn postgres_over_tls_with_verify_full() {
 // Secrets. Every test connects with a password of its own and asserts that neither it
 // nor the URL it is part of occurs in the error or in anything logged (at TRACE, by
 // every crate) while the process ran.
-
-/// Everything logged in this process, from the first call on.
-fn log() -> Arc<Mutex<Vec<u8>>> {
-    static LOG: OnceLock<Arc<Mutex<Vec<u8>>>> = OnceLock::new();
-    LOG.get_or_init(|| {
-        let buffer = Arc::new(Mutex::new(Vec::new()));
-        let writer = buffer.clone();
-        tracing_subscriber::fmt()
-            .with_max_level(tracing::Level::TRACE)
-            .with_ansi(false)
-            .with_writer(move || Capture(writer.clone()))
-            .init();
-        buffer
-    })
-    .clone()
-}
-
-struct Capture(Arc<Mutex<Vec<u8>>>);
-
-impl Write for Capture {
-    fn write(&mut self, bytes: &[u8]) -> std::io::Result<usize> {
-        self.0.lock().unwrap().extend_from_slice(bytes);
-        Ok(bytes.len())
-    }
-
-    fn flush(&mut self) -> std::io::Result<()> {
-        Ok(())
-    }
-}
 
 /// Asserts that `attempt` failed within [`BOUND`], and that none of `secrets` (the
 /// password, the URL) is in its error, the error's sources, or the log.
