@@ -941,16 +941,20 @@ impl RedisStore {
 
     /// Releases `token`'s claim and takes its attempt back, on the current Tokio
     /// runtime, without waiting.
-    fn give_back_in_background(&self, key: &Key, token: Token) {
-        let Ok(runtime) = tokio::runtime::Handle::try_current() else { return };
+    fn give_back_in_background(
+        &self,
+        key: &Key,
+        token: Token,
+    ) -> Option<tokio::task::JoinHandle<()>> {
+        let runtime = tokio::runtime::Handle::try_current().ok()?;
         let (store, key) = (self.clone(), key.clone());
-        runtime.spawn(async move {
+        Some(runtime.spawn(async move {
             let token = token.to_string();
             let args: [&[u8]; 2] = [token.as_bytes(), b"1"];
             if let Err(error) = store.transition(&SCRIPTS.release, &key, &args).await {
                 tracing::warn!(key = %key.logged(), %error, "giving back a claim whose reply was lost failed; its lease will run out");
             }
-        });
+        }))
     }
 
     /// [`transition`](RedisStore::transition), answered as applied only once it is as
@@ -1181,7 +1185,15 @@ impl Store for RedisStore {
         let mut answer = self.claim_with(key, &claim).await;
         if let Ok(Claim::Won { .. }) = &answer {
             if let Err(error) = self.made_durable(&self.redis_key(key)).await {
-                answer = Err(error);
+                // The claim was written and the connection answers: give it back
+                // before answering, so a retry right after finds the key free
+                // instead of in progress until the lease runs out. (Spawned, so a
+                // caller that stops waiting still gives it back; bounded, so a
+                // master that stops answering does not hold the caller.)
+                if let Some(giving_back) = self.give_back_in_background(key, token) {
+                    let _ = tokio::time::timeout(GIVE_BACK_WAIT, giving_back).await;
+                }
+                return Err(error);
             }
         }
         if let Err(error) = &answer {
@@ -1238,6 +1250,9 @@ impl Store for RedisStore {
         crate::store::release_in_background(self, key, token);
     }
 }
+
+/// How long a claim refused for want of durability waits for its give-back.
+const GIVE_BACK_WAIT: Duration = Duration::from_secs(1);
 
 /// How many SCAN calls' worth of slots (their `COUNT`s added up) one page of
 /// [`Admin::list`](admin::Admin::list) looks at, at most, before it returns what it
