@@ -1182,7 +1182,7 @@ impl Store for RedisStore {
             retention: millis_u64(crate::claim_retention(lease, ttl)),
             fingerprint: fingerprint.map_or_else(|| "-".to_owned(), Fingerprint::to_string),
         };
-        let mut answer = self.claim_with(key, &claim).await;
+        let answer = self.claim_with(key, &claim).await;
         if let Ok(Claim::Won { .. }) = &answer {
             if let Err(error) = self.made_durable(&self.redis_key(key)).await {
                 // The claim was written and the connection answers: give it back
