@@ -33,7 +33,7 @@ async fn store_at(isolation: &str, table: &str) -> Option<PostgresStore> {
 
 /// The suite with SERIALIZABLE as every connection's default (REPEATABLE READ fails
 /// the same statements the same way; the renewals' session under an `after_connect`
-/// is `postgres_hardening`'s).
+/// is `sql_hardening`'s).
 mod serializable_default {
     idempotent::store_suite!(
         match super::store_at("serializable", "idempotent_records_ser").await {
