@@ -176,10 +176,26 @@ impl MysqlStore {
                 .fetch_one(&self.pool)
                 .await
                 .map_err(sql::store_error)?;
-        match binlog_refusal(log_bin != 0, &format) {
-            Some(why) => Err(StoreError::Misconfigured(why)),
-            None => Ok(()),
+        if let Some(why) = binlog_refusal(log_bin != 0, &format) {
+            return Err(StoreError::Misconfigured(why));
         }
+        // A session outside autocommit (the server's `autocommit=0`, `init_connect`,
+        // or an `after_connect` that turns it off) would leave every claim and DONE
+        // uncommitted, to be rolled back when its connection goes: the handler would
+        // run again at every redelivery.
+        let autocommit: i64 = sqlx::query_scalar("SELECT CAST(@@autocommit AS SIGNED)")
+            .fetch_one(&self.pool)
+            .await
+            .map_err(sql::store_error)?;
+        if autocommit == 0 {
+            return Err(StoreError::Misconfigured(
+                "the pool's sessions are not in autocommit mode (autocommit=0), so claims and \
+                 DONE records would never commit: remove autocommit=0 from the server's \
+                 settings, its init_connect or the pool's after_connect"
+                    .to_owned(),
+            ));
+        }
+        Ok(())
     }
 
     /// [`check_server`](MysqlStore::check_server), and that the records table is
@@ -194,6 +210,30 @@ impl MysqlStore {
             self.sql.quoted
         );
         sqlx::query(AssertSqlSafe(probe)).execute(&self.pool).await.map_err(sql::store_error)?;
+        // Without a unique index on `key` alone, `ON DUPLICATE KEY` never fires and
+        // every claim of a key wins: each duplicate would run its handler again.
+        let (database, name) = match self.sql.table.split_once('.') {
+            Some((database, name)) => (Some(database), name),
+            None => (None, self.sql.table.as_str()),
+        };
+        let unique: i64 = sqlx::query_scalar(
+            "SELECT COUNT(*) FROM (SELECT INDEX_NAME FROM information_schema.STATISTICS \
+             WHERE TABLE_SCHEMA = COALESCE(?, DATABASE()) AND TABLE_NAME = ? AND NON_UNIQUE = 0 \
+             GROUP BY INDEX_NAME HAVING COUNT(*) = 1 AND MAX(COLUMN_NAME) = 'key') AS keyed",
+        )
+        .bind(database)
+        .bind(name)
+        .fetch_one(&self.pool)
+        .await
+        .map_err(sql::store_error)?;
+        if unique == 0 {
+            return Err(StoreError::Misconfigured(format!(
+                "the records table {} has no primary key or unique index on `key` alone, so \
+                 every claim of a key would win: make it as migrate() does (PRIMARY KEY \
+                 (`key`); MysqlStore::migration_sql has the statement)",
+                self.sql.table
+            )));
+        }
         Ok(())
     }
 
@@ -451,15 +491,7 @@ impl MysqlStore {
         ttl: Duration,
         result: Option<&[u8]>,
     ) -> Result<Transition, StoreError> {
-        let stored = key.stored();
-        let values = Values {
-            key: stored.as_ref(),
-            token: token.as_u128().to_be_bytes(),
-            ttl: micros(ttl),
-            result,
-            ..Values::default()
-        };
-        self.update(conn, &self.sql.redate, &values).await
+        self.complete_with(&self.sql.redate, conn, key, token, ttl, result).await
     }
 
     /// Turns the DONE record that a claim taken inside a handler's transaction wrote
@@ -520,7 +552,6 @@ const MISMATCH: u64 = 5;
 const NEWER: u64 = 6;
 const CACHED: u64 = 1 << 32;
 
-/// Whether the statement was chosen as a deadlock victim (and rolled back).
 /// Whether a claim commits on its own or is a statement of the handler's transaction.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum ClaimMode {
@@ -540,6 +571,7 @@ fn binlog_refusal(log_bin: bool, format: &str) -> Option<String> {
 
 use ClaimMode::{Alone, InTransaction};
 
+/// Whether the statement was chosen as a deadlock victim (and rolled back).
 fn is_deadlock(error: &sqlx::Error) -> bool {
     matches!(error, sqlx::Error::Database(db) if db.code().as_deref() == Some("40001"))
 }
