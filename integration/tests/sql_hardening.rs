@@ -60,6 +60,12 @@ mod pg {
         format!("UPDATE {records} SET token = '\\x01'::bytea WHERE key = $1")
     }
 
+    /// The store's own table definition with its primary key left out, as a
+    /// migration tool of the user's might write it.
+    pub fn without_its_key(migration: &str) -> String {
+        migration.replace("key bytea PRIMARY KEY", "key bytea NOT NULL")
+    }
+
     pub async fn drop_tables(pool: &Pool, tables: &[&str]) {
         let sql = format!("DROP TABLE IF EXISTS {}", tables.join(", "));
         sqlx::query(AssertSqlSafe(sql)).execute(pool).await.unwrap();
@@ -142,6 +148,12 @@ mod my {
 
     pub fn steal_claim(records: &str) -> String {
         format!("UPDATE {records} SET token = X'01' WHERE `key` = ?")
+    }
+
+    /// The store's own table definition with its primary key left out, as a
+    /// migration tool of the user's might write it.
+    pub fn without_its_key(migration: &str) -> String {
+        migration.replace("PRIMARY KEY (`key`),", "")
     }
 
     pub async fn drop_tables(pool: &Pool, tables: &[&str]) {
@@ -404,6 +416,31 @@ macro_rules! hardening_tests {
                     store.claim(&key, Duration::from_secs(5), Duration::from_secs(60), None).await;
                 let err = claimed.unwrap_err();
                 assert!(misconfigured(&err), "{err}");
+            }
+
+            /// A records table made without its primary key on `key` (every column
+            /// there): `check` refuses it, naming the key, where claims would
+            /// otherwise each win (MySQL: every duplicate runs again) or each fail
+            /// (PostgreSQL: retried for ever).
+            #[tokio::test]
+            async fn a_records_table_without_its_key_is_refused() {
+                let Some(pool) = sql::pool(2).await else { return };
+                let table = mysql::table("keyless");
+                let store = sql::Store::from_pool(pool).with_table(&table).unwrap();
+                let made = sql::without_its_key(&store.migration_sql());
+                assert_ne!(made, store.migration_sql(), "the key was left in");
+                sqlx::raw_sql(AssertSqlSafe(made)).execute(store.pool()).await.unwrap();
+                let checked = store.check().await.unwrap_err();
+                assert!(
+                    matches!(&checked, idempotent::StoreError::Misconfigured(why)
+                        if why.contains("unique index on") && why.contains(&table)),
+                    "{checked}"
+                );
+                sql::drop_tables(store.pool(), &[&table]).await;
+                // The table as `migrate()` makes it passes.
+                store.migrate().await.unwrap();
+                store.check().await.unwrap();
+                sql::drop_tables(store.pool(), &[&table]).await;
             }
 
             $($extra)*
@@ -669,6 +706,21 @@ hardening_tests!(mysql_or_mariadb, my, {
         let (claim, ()) = tokio::join!(ledger.store.claim(&key, lease, ttl, None), commit);
         assert_eq!(claim.unwrap(), Claim::Done);
         ledger.drop_tables().await;
+    }
+
+    /// A pool whose sessions are not in autocommit mode (the server's `autocommit=0`,
+    /// `init_connect`, or an `after_connect` like this one) would leave every claim
+    /// and DONE uncommitted, rolled back when the connection goes, and the handler
+    /// would run again at each redelivery: `check_server` refuses it.
+    #[tokio::test]
+    async fn a_pool_without_autocommit_is_refused() {
+        let Some(pool) = mysql::pool_with(1, &["SET autocommit = 0"]).await else { return };
+        let store = sql::Store::from_pool(pool);
+        let refused = store.check_server().await.unwrap_err();
+        assert!(
+            matches!(&refused, idempotent::StoreError::Misconfigured(why) if why.contains("autocommit")),
+            "{refused}"
+        );
     }
 
     /// `check_server` passes on the machine's server, and `check` then finds the

@@ -232,6 +232,27 @@ CREATE INDEX IF NOT EXISTS {index}_expires_at ON {t} (expires_at);"
             self.sql.table
         );
         sqlx::query(AssertSqlSafe(probe)).execute(&self.pool).await.map_err(sql::store_error)?;
+        // Every claim is an `INSERT ... ON CONFLICT (key)`, which needs a unique index
+        // on `key` alone: without one each claim fails (42P10) and the message is
+        // retried for ever.
+        let keyed: bool = sqlx::query_scalar(
+            "SELECT EXISTS (SELECT 1 FROM pg_index i JOIN pg_attribute a \
+             ON a.attrelid = i.indrelid AND a.attnum = i.indkey[0] \
+             WHERE i.indrelid = to_regclass($1) AND i.indisunique AND i.indnkeyatts = 1 \
+             AND i.indpred IS NULL AND a.attname = 'key')",
+        )
+        .bind(&self.sql.table)
+        .fetch_one(&self.pool)
+        .await
+        .map_err(sql::store_error)?;
+        if !keyed {
+            return Err(StoreError::Misconfigured(format!(
+                "the records table {} has no primary key or unique index on key alone, which \
+                 every claim needs (ON CONFLICT (key)): make it as migrate() does (key bytea \
+                 PRIMARY KEY; PostgresStore::migration_sql has the statement)",
+                self.sql.table
+            )));
+        }
         Ok(())
     }
 
