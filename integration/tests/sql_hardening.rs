@@ -66,6 +66,15 @@ mod pg {
         migration.replace("key bytea PRIMARY KEY", "key bytea NOT NULL")
     }
 
+    pub fn lock_record(records: &str) -> String {
+        format!("SELECT 1 FROM {records} WHERE key = $1 FOR UPDATE")
+    }
+
+    /// How long the store's statements wait for a row lock, if it can bound that.
+    pub async fn lock_timeout(_: &Pool) -> Option<std::time::Duration> {
+        Some(idempotent::postgres_store::LOCK_TIMEOUT)
+    }
+
     pub async fn drop_tables(pool: &Pool, tables: &[&str]) {
         let sql = format!("DROP TABLE IF EXISTS {}", tables.join(", "));
         sqlx::query(AssertSqlSafe(sql)).execute(pool).await.unwrap();
@@ -154,6 +163,21 @@ mod my {
     /// migration tool of the user's might write it.
     pub fn without_its_key(migration: &str) -> String {
         migration.replace("PRIMARY KEY (`key`),", "")
+    }
+
+    pub fn lock_record(records: &str) -> String {
+        format!("SELECT 1 FROM {records} WHERE `key` = ? FOR UPDATE")
+    }
+
+    /// How long the store's statements wait for a row lock, if it can bound that:
+    /// MariaDB only (MySQL 8 has no per-statement lock wait).
+    pub async fn lock_timeout(pool: &Pool) -> Option<std::time::Duration> {
+        let version: String = sqlx::query_scalar("SELECT VERSION()").fetch_one(pool).await.unwrap();
+        if !version.contains("MariaDB") {
+            eprintln!("MySQL {version} can't bound a lock wait per statement");
+            return None;
+        }
+        Some(idempotent::mysql_store::LOCK_TIMEOUT)
     }
 
     pub async fn drop_tables(pool: &Pool, tables: &[&str]) {
@@ -418,6 +442,44 @@ macro_rules! hardening_tests {
                 assert!(misconfigured(&err), "{err}");
             }
 
+            /// A record row locked by a consumer that died between its DONE update
+            /// and COMMIT (its connection holds the lock until TCP gives up): a
+            /// duplicate's claim answers InProgress after the store's lock timeout
+            /// instead of blocking for the server's (MySQL's 50 s).
+            #[tokio::test]
+            async fn a_locked_record_answers_in_progress() {
+                let Some(pool) = sql::pool(4).await else { return };
+                let ledger = Ledger::open(pool).await;
+                let Some(lock_timeout) = sql::lock_timeout(ledger.store.pool()).await else {
+                    return ledger.drop_tables().await;
+                };
+                let key = Key::new("locked", "7").unwrap();
+                let (lease, ttl) = (Duration::from_secs(30), Duration::from_secs(60));
+                let claimed = ledger.store.claim(&key, lease, ttl, None).await.unwrap();
+                assert!(matches!(claimed, Claim::Won { .. }), "fresh key: {claimed:?}");
+                let mut stuck = ledger.store.pool().begin().await.unwrap();
+                sqlx::query(AssertSqlSafe(sql::lock_record(&ledger.records)))
+                    .bind(key.as_bytes())
+                    .execute(&mut *stuck)
+                    .await
+                    .unwrap();
+                // A lease that has run out: the claim would take the row over if it
+                // could lock it.
+                let started = std::time::Instant::now();
+                let claim = tokio::time::timeout(
+                    Duration::from_secs(20),
+                    ledger.store.claim(&key, Duration::from_millis(50), ttl, None),
+                )
+                .await
+                .expect("the claim blocked on the locked row");
+                assert!(matches!(claim.unwrap(), Claim::InProgress { .. }));
+                let waited = started.elapsed();
+                assert!(waited >= lock_timeout / 2, "{waited:?}");
+                assert!(waited < Duration::from_secs(10), "{waited:?}");
+                stuck.rollback().await.unwrap();
+                ledger.drop_tables().await;
+            }
+
             /// A records table made without its primary key on `key` (every column
             /// there): `check` refuses it, naming the key, where claims would
             /// otherwise each win (MySQL: every duplicate runs again) or each fail
@@ -449,35 +511,6 @@ macro_rules! hardening_tests {
 }
 
 hardening_tests!(postgresql, pg, {
-    /// A record row locked by a consumer that died between its DONE update and COMMIT
-    /// (its backend holds the lock until TCP gives up): a duplicate's claim answers
-    /// InProgress after the store's lock timeout instead of blocking.
-    #[tokio::test]
-    async fn a_locked_record_answers_in_progress() {
-        let Some(pool) = sql::pool(4).await else { return };
-        let ledger = Ledger::open(pool).await;
-        let key = Key::new("locked", "7").unwrap();
-        let (lease, ttl) = (Duration::from_secs(30), Duration::from_secs(60));
-        let Claim::Won { .. } = ledger.store.claim(&key, lease, ttl, None).await.unwrap() else {
-            panic!("fresh key");
-        };
-        let mut stuck = ledger.store.pool().begin().await.unwrap();
-        let lock = format!("SELECT 1 FROM {} WHERE key = $1 FOR UPDATE", ledger.records);
-        sqlx::query(AssertSqlSafe(lock)).bind(key.as_bytes()).execute(&mut *stuck).await.unwrap();
-        // Expire the lease so the claim would take the row over if it could lock it.
-        let started = std::time::Instant::now();
-        let claim = tokio::time::timeout(
-            Duration::from_secs(20),
-            ledger.store.claim(&key, Duration::from_millis(50), ttl, None),
-        )
-        .await
-        .expect("the claim blocked on the locked row");
-        assert!(matches!(claim.unwrap(), Claim::InProgress { .. }));
-        assert!(started.elapsed() < Duration::from_secs(10), "{:?}", started.elapsed());
-        stuck.rollback().await.unwrap();
-        ledger.drop_tables().await;
-    }
-
     /// A key too long for a btree index entry, which a producer can send on purpose,
     /// is stored under its hash, and is deduplicated like any other.
     #[tokio::test]
@@ -632,42 +665,6 @@ hardening_tests!(mysql_or_mariadb, my, {
         assert!(matches!(a, Ok(Outcome::Processed(()))), "{a:?}");
         assert!(matches!(b, Ok(Outcome::Processed(()))), "{b:?}");
         assert_eq!((ledger.rows(14).await, ledger.rows(16).await), (1, 1));
-        ledger.drop_tables().await;
-    }
-
-    /// A record row locked by a consumer that died between its DONE update and
-    /// COMMIT: a duplicate's claim answers InProgress after the store's lock timeout
-    /// (MariaDB) instead of blocking for the server's default 50 s.
-    #[tokio::test]
-    async fn a_locked_record_answers_in_progress() {
-        let Some(pool) = sql::pool(4).await else { return };
-        let ledger = Ledger::open(pool).await;
-        let version: String =
-            sqlx::query_scalar("SELECT VERSION()").fetch_one(ledger.store.pool()).await.unwrap();
-        if !version.contains("MariaDB") {
-            eprintln!("skipped: MySQL {version} can't bound a lock wait per statement");
-            return ledger.drop_tables().await;
-        }
-        let key = Key::new("locked", "7").unwrap();
-        let (lease, ttl) = (Duration::from_secs(30), Duration::from_secs(60));
-        let Claim::Won { .. } = ledger.store.claim(&key, lease, ttl, None).await.unwrap() else {
-            panic!("fresh key");
-        };
-        let mut stuck = ledger.store.pool().begin().await.unwrap();
-        let lock = format!("SELECT 1 FROM {} WHERE `key` = ? FOR UPDATE", ledger.records);
-        sqlx::query(AssertSqlSafe(lock)).bind(key.as_bytes()).execute(&mut *stuck).await.unwrap();
-        let started = std::time::Instant::now();
-        let claim = tokio::time::timeout(
-            Duration::from_secs(20),
-            ledger.store.claim(&key, Duration::from_millis(50), ttl, None),
-        )
-        .await
-        .expect("the claim blocked on the locked row");
-        assert!(matches!(claim.unwrap(), Claim::InProgress { .. }));
-        let waited = started.elapsed();
-        assert!(waited >= idempotent::mysql_store::LOCK_TIMEOUT / 2, "{waited:?}");
-        assert!(waited < Duration::from_secs(10), "{waited:?}");
-        stuck.rollback().await.unwrap();
         ledger.drop_tables().await;
     }
 
