@@ -108,7 +108,7 @@ fn a_server_restart_mid_stream_loses_nothing_and_doubles_nothing() {
     });
 }
 
-#[idempotent(key = "order:{id}", store = store, lease = "20s")]
+#[idempotent(key = "order:{id}", store = store, lease = "9s")]
 async fn slow(
     msg: Order,
     store: &ZooKeeperStore,
@@ -122,12 +122,14 @@ async fn slow(
 
 /// A consumer is cut off from ZooKeeper while its handler runs, long enough for its
 /// session to expire: ZooKeeper deletes its claim's ephemeral child, so a second
-/// consumer takes the key over well before the first one's 20 s lease would have run
-/// out (long, because a loaded machine was seen to take over 10 s to reconnect the
-/// first consumer once its session had expired). When the first consumer is back, its renewal finds the key taken: its handler
-/// is stopped and the call answers `LeaseLost`; the effect happened once.
+/// consumer takes the key over well before the first one's 9 s lease would have run
+/// out. The first consumer's handler is stopped well before that lease ends: by its
+/// renewal finding the key taken (`LeaseLost`), or, where that answer comes later than
+/// the store's hold (the session's length) and one more, as a loaded machine makes it,
+/// by no renewal being confirmed (a store error, the handler having run). The effect
+/// happened once.
 #[test]
-fn an_expired_session_hands_the_claim_over_and_the_old_owner_gets_lease_lost() {
+fn an_expired_session_hands_the_claim_over_and_stops_the_old_owner() {
     let Some(server) = ZooKeeperServer::start() else { return };
     block_on(async {
         let proxy = FaultProxy::start(server.port).await;
@@ -139,7 +141,7 @@ fn an_expired_session_hands_the_claim_over_and_the_old_owner_gets_lease_lost() {
         let first = async {
             let claimed = Instant::now();
             let call = slow(Order { id: 7 }, &cut_off, &ledger, &never);
-            let ended = tokio::time::timeout(Duration::from_secs(40), call).await;
+            let ended = tokio::time::timeout(Duration::from_secs(20), call).await;
             (ended.expect("the old owner's handler was never stopped"), claimed.elapsed())
         };
         let second = async {
@@ -155,8 +157,11 @@ fn an_expired_session_hands_the_claim_over_and_the_old_owner_gets_lease_lost() {
         };
         let ((first, first_took), second) = futures_util::join!(first, second);
         assert!(matches!(second, Ok(Outcome::Processed(()))), "taken over: {second:?}");
-        assert!(matches!(first, Err(Error::LeaseLost { .. })), "the old owner: {first:?}");
-        assert!(first_took < Duration::from_secs(20), "stopped by its renewal: {first_took:?}");
+        let stopped = matches!(first, Err(Error::LeaseLost { .. }))
+            || matches!(&first, Err(Error::Store { error, handler_ran: true, .. })
+                if error.to_string().contains("no renewal of the claim was confirmed"));
+        assert!(stopped, "the old owner: {first:?}");
+        assert!(first_took < Duration::from_secs(9), "stopped before its lease ended: {first_took:?}");
         assert_eq!(ledger.count(7), 1, "the effect happened once");
         let again = slow(Order { id: 7 }, &other, &ledger, &Notify::new()).await;
         assert!(matches!(again, Ok(Outcome::Duplicate)), "{again:?}");
