@@ -161,7 +161,10 @@ fn an_expired_session_hands_the_claim_over_and_stops_the_old_owner() {
             || matches!(&first, Err(Error::Store { error, handler_ran: true, .. })
                 if error.to_string().contains("no renewal of the claim was confirmed"));
         assert!(stopped, "the old owner: {first:?}");
-        assert!(first_took < Duration::from_secs(9), "stopped before its lease ended: {first_took:?}");
+        assert!(
+            first_took < Duration::from_secs(9),
+            "stopped before its lease ended: {first_took:?}"
+        );
         assert_eq!(ledger.count(7), 1, "the effect happened once");
         let again = slow(Order { id: 7 }, &other, &ledger, &Notify::new()).await;
         assert!(matches!(again, Ok(Outcome::Duplicate)), "{again:?}");
