@@ -169,13 +169,15 @@ impl MysqlStore {
     /// `binlog_format=STATEMENT` can't log the READ COMMITTED transactions of
     /// `transactional` handlers (error 1665 on every one), so it is refused with
     /// [`StoreError::Misconfigured`], saying what to set. [`connect`](MysqlStore::connect)
-    /// runs it; call it after [`from_pool`](MysqlStore::from_pool).
+    /// runs it; call it after [`from_pool`](MysqlStore::from_pool). A pool whose
+    /// sessions are not in autocommit mode is refused too: no claim would commit.
     pub async fn check_server(&self) -> Result<(), StoreError> {
-        let (log_bin, format): (i64, String) =
-            sqlx::query_as("SELECT @@log_bin, CAST(@@binlog_format AS CHAR)")
-                .fetch_one(&self.pool)
-                .await
-                .map_err(sql::store_error)?;
+        let (log_bin, format, autocommit): (i64, String, i64) = sqlx::query_as(
+            "SELECT @@log_bin, CAST(@@binlog_format AS CHAR), CAST(@@autocommit AS SIGNED)",
+        )
+        .fetch_one(&self.pool)
+        .await
+        .map_err(sql::store_error)?;
         if let Some(why) = binlog_refusal(log_bin != 0, &format) {
             return Err(StoreError::Misconfigured(why));
         }
@@ -183,10 +185,6 @@ impl MysqlStore {
         // or an `after_connect` that turns it off) would leave every claim and DONE
         // uncommitted, to be rolled back when its connection goes: the handler would
         // run again at every redelivery.
-        let autocommit: i64 = sqlx::query_scalar("SELECT CAST(@@autocommit AS SIGNED)")
-            .fetch_one(&self.pool)
-            .await
-            .map_err(sql::store_error)?;
         if autocommit == 0 {
             return Err(StoreError::Misconfigured(
                 "the pool's sessions are not in autocommit mode (autocommit=0), so claims and \
