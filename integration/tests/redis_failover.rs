@@ -265,7 +265,7 @@ fn a_cluster_failover_mid_consumption_runs_no_acknowledged_order_twice() {
 
 /// The replica stops receiving (its link is cut and can't log in again), orders go on
 /// being handled, then the master is SIGKILLed and the Sentinels promote the replica;
-/// the old master is restarted (empty) and the Sentinels make it a replica. Without
+/// the old master is restarted (empty) as a replica of the promoted one. Without
 /// waiting for replicas, the orders the old master acknowledged meanwhile are
 /// lost with it and each of their duplicates runs again; with `wait_for_replicas`
 /// their claims are refused before any handler runs, and none runs again.
@@ -281,7 +281,10 @@ fn without_waiting_a_sentinel_failover_loses_what_the_replica_had_not_received()
             let sentinels = RedisSentinels::start(master.port, Some(PASSWORD));
             let options = RedisStore::options().master_credentials("default", PASSWORD);
             let options = if wait {
-                options.wait_for_replicas(1, Duration::from_millis(300))
+                // Short, so the 25 refusals below keep the replica's link down for less
+                // than the ten `down-after` periods past which the Sentinels would no
+                // longer promote it.
+                options.wait_for_replicas(1, Duration::from_millis(100))
             } else {
                 options
             };
@@ -298,7 +301,7 @@ fn without_waiting_a_sentinel_failover_loses_what_the_replica_had_not_received()
                 assert!(Instant::now() < deadline, "the replica stayed connected");
                 std::thread::sleep(Duration::from_millis(20));
             }
-            let mut refused = 0;
+            let (mut refused, cut_at) = (0, Instant::now());
             for order_id in 25..50 {
                 match counted(Order { order_id }, &store, &runs).await {
                     Ok(Outcome::Processed(())) => assert!(!wait, "the replica confirmed nothing"),
@@ -309,6 +312,7 @@ fn without_waiting_a_sentinel_failover_loses_what_the_replica_had_not_received()
             let ran_before: u32 = runs.iter().map(|r| r.load(Ordering::SeqCst)).sum();
             assert_eq!(ran_before, if wait { 25 } else { 50 });
             assert_eq!(refused, if wait { 25 } else { 0 });
+            println!("wait_for_replicas {wait}: link down {:?} before the kill", cut_at.elapsed());
 
             let old = master.port;
             master.kill();
@@ -319,15 +323,24 @@ fn without_waiting_a_sentinel_failover_loses_what_the_replica_had_not_received()
                 }
             };
             // A supervisor restarts the old master once the replica took over (its
-            // data is gone: no persistence); the Sentinels make it a replica, which
-            // lets a write be confirmed again.
+            // data is gone: no persistence), as a replica of the master the Sentinels
+            // name, which lets a write be confirmed again.
             let restarted = async {
                 while sentinels.master_port() == old {
                     tokio::time::sleep(Duration::from_millis(100)).await;
                 }
-                master.restart();
+                master.restart_replica_of(sentinels.master_port());
             };
-            tokio::join!(consumer, restarted);
+            let both = async { tokio::join!(consumer, restarted) };
+            if tokio::time::timeout(Duration::from_secs(150), both).await.is_err() {
+                panic!(
+                    "the orders were not all handled within 150 s after the failover.\n\
+                     Sentinel: {}\nold master: {}\nreplica: {}",
+                    sentinels.nodes[0].cli(&["SENTINEL", "MASTER", SENTINEL_SERVICE]),
+                    authed(&master, &["INFO", "replication"]),
+                    authed(&replica, &["INFO", "replication"]),
+                );
+            }
             assert_eq!(promoted(&sentinels, old), replica.port);
             let before: u32 = runs.iter().map(|r| r.load(Ordering::SeqCst)).sum();
             for order_id in 0..75 {

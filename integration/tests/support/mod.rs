@@ -76,6 +76,7 @@ impl RedisServer {
                 .iter()
                 .map(|s| s.to_string())
                 .collect();
+        args.extend(["--logfile".to_owned(), dir.join("server.log").display().to_string()]);
         args.extend(extra.iter().map(|s| s.to_string()));
         let mut server = RedisServer { port, dir, args, child: None };
         server.restart();
@@ -84,6 +85,11 @@ impl RedisServer {
 
     pub fn url(&self) -> String {
         format!("redis://127.0.0.1:{}", self.port)
+    }
+
+    /// The server's log file, in its directory.
+    pub fn log(&self) -> PathBuf {
+        self.dir.join("server.log")
     }
 
     /// Kills the server at once (SIGKILL), as a crash would.
@@ -103,15 +109,48 @@ impl RedisServer {
 
     /// Starts the server again on the same port and directory.
     pub fn restart(&mut self) {
+        self.restart_with(&[]);
+    }
+
+    /// Starts the server again as a replica of `master`, as a supervisor that asks the
+    /// Sentinels for the master before starting a node does.
+    pub fn restart_replica_of(&mut self, master: u16) {
+        self.restart_with(&["--replicaof", "127.0.0.1", &master.to_string()]);
+    }
+
+    fn restart_with(&mut self, extra: &[&str]) {
         assert!(self.child.is_none(), "kill the server before restarting it");
+        // Another test's server given this port while it was down would answer for it.
+        assert!(
+            std::net::TcpStream::connect(("127.0.0.1", self.port)).is_err(),
+            "port {} was taken while its server was down",
+            self.port
+        );
         let child = Command::new("redis-server")
             .args(&self.args)
+            .args(extra)
             .stdout(Stdio::null())
             .stderr(Stdio::null())
             .spawn()
             .expect("redis-server starts");
         self.child = Some(child);
-        wait_for_ping(self.port);
+        self.wait_for_ping();
+    }
+
+    /// Waits until the server answers, failing at once if its process exited (a port
+    /// taken, a bad argument) rather than taking another process's answer for it.
+    fn wait_for_ping(&mut self) {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        // A server that asks for a password answers NOAUTH: it is up too.
+        while !["PONG", "NOAUTH"].iter().any(|up| cli(self.port, &["ping"]).contains(up)) {
+            let child = self.child.as_mut().expect("the server was started");
+            if let Ok(Some(status)) = child.try_wait() {
+                let log = std::fs::read_to_string(self.log()).unwrap_or_default();
+                panic!("redis-server on {} exited ({status}); its log:\n{log}", self.port);
+            }
+            assert!(Instant::now() < deadline, "redis-server on {} did not start", self.port);
+            std::thread::sleep(Duration::from_millis(20));
+        }
     }
 
     /// Runs `redis-cli` against this server and returns its output.
@@ -148,7 +187,8 @@ impl RedisSentinels {
                     "port {port}\nbind 127.0.0.1\ndir {dir}\n\
                      sentinel monitor {SENTINEL_SERVICE} 127.0.0.1 {master_port} 2\n\
                      sentinel down-after-milliseconds {SENTINEL_SERVICE} 1000\n\
-                     sentinel failover-timeout {SENTINEL_SERVICE} 10000\n",
+                     sentinel failover-timeout {SENTINEL_SERVICE} 10000\n\
+                     logfile {dir}/server.log\n",
                     dir = dir.display()
                 );
                 if let Some(password) = password {
@@ -266,15 +306,6 @@ pub fn cli(port: u16, args: &[&str]) -> String {
         .output()
         .expect("redis-cli runs");
     String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr)
-}
-
-fn wait_for_ping(port: u16) {
-    let deadline = Instant::now() + Duration::from_secs(10);
-    // A server that asks for a password answers NOAUTH: it is up too.
-    while !["PONG", "NOAUTH"].iter().any(|up| cli(port, &["ping"]).contains(up)) {
-        assert!(Instant::now() < deadline, "redis-server on {port} did not start");
-        std::thread::sleep(Duration::from_millis(20));
-    }
 }
 
 /// A loopback port that is free, and whose Cluster bus port (+10000) is free too.
