@@ -3,8 +3,9 @@
 use std::fmt::Display;
 use std::future::Future;
 
+use sqlx::mysql::MySqlRow;
 use sqlx::pool::PoolConnection;
-use sqlx::{MySql, Transaction};
+use sqlx::{MySql, Row, Transaction};
 
 use super::{
     Transactional, TransactionalClaim, TxSlot, begin_within, commit_if_recorded,
@@ -164,7 +165,9 @@ impl Completion<MysqlStore> for InTransaction<'_> {
     ) -> Discarded {
         drop(self.conn);
         if let Some(mut lent) = self.slot.take() {
-            let begun = still_begun(&mut lent).await;
+            // Asked first: any other statement would clear the error it reads.
+            let rolled_back = rolled_back_by_server(&mut lent).await;
+            let begun = rolled_back || still_begun(&mut lent).await;
             rollback(lent).await;
             if !begun {
                 let inline_done = match self.inline {
@@ -190,26 +193,54 @@ impl Completion<MysqlStore> for InTransaction<'_> {
 
 /// Begins at READ COMMITTED whatever the server's default (see
 /// [`crate::transactional`]), in one round trip: `SET TRANSACTION` sets the level of
-/// the next transaction only, and the two statements go as one text query. Gives up
-/// after a third of the lease.
+/// the next transaction only, and the statements go as one text query. The same
+/// round trip sets the `idempotent_begun` savepoint, which marks the
+/// transaction: it goes with it however it ends. Gives up after a third of the lease.
 async fn begin_read_committed(
     conn: PoolConnection<MySql>,
     spec: &Spec,
 ) -> Result<Transaction<'static, MySql>, StoreError> {
-    begin_within(conn, "SET TRANSACTION ISOLATION LEVEL READ COMMITTED; START TRANSACTION", spec)
-        .await
+    let begin = "SET TRANSACTION ISOLATION LEVEL READ COMMITTED; START TRANSACTION; \
+                 SAVEPOINT idempotent_begun";
+    begin_within(conn, begin, spec).await
 }
 
-/// Whether `tx` is still a transaction: a handler whose statement committed
-/// implicitly (DDL), that sent its own `COMMIT` or `ROLLBACK`, or whose transaction
-/// the server rolled back (a deadlock; a lock-wait timeout with
-/// `innodb_rollback_on_timeout`) left the session in autocommit, and its later
-/// statements ran on their own. Read from MariaDB's `@@in_transaction`; MySQL has no
-/// such variable, and there (or when the check fails) the transaction is assumed to
-/// stand.
+/// Whether `tx` is still the transaction [`begin_read_committed`] began, told by its
+/// `idempotent_begun` savepoint, which is released here. It is gone once the handler's
+/// transaction ended: a statement that committed implicitly (DDL, `START
+/// TRANSACTION`), a `COMMIT` or `ROLLBACK` the handler sent (`AND CHAIN` too: the
+/// chained transaction has no savepoints), or a rollback by the server (a deadlock; a
+/// lock-wait timeout with `innodb_rollback_on_timeout`). The handler's later
+/// statements ran on their own or in a transaction of their own. When the check
+/// itself fails (the connection broke), the transaction is assumed to stand: nothing
+/// more commits on that connection.
 async fn still_begun(tx: &mut Transaction<'static, MySql>) -> bool {
-    let open = sqlx::query_scalar::<_, i64>("SELECT CAST(@@in_transaction AS SIGNED)")
-        .fetch_one(&mut **tx)
-        .await;
-    open.map_or(true, |open| open != 0)
+    match sqlx::raw_sql("RELEASE SAVEPOINT idempotent_begun").execute(&mut **tx).await {
+        Ok(_) => true,
+        // 1305: the savepoint does not exist.
+        Err(sqlx::Error::Database(e)) => error_number(&*e) != Some(1305),
+        Err(_) => true,
+    }
+}
+
+/// Whether the handler's last statement was refused by a rollback of its whole
+/// transaction by the server: a deadlock (1213), or a lock-wait timeout (1205) with
+/// `innodb_rollback_on_timeout`. Its transaction is gone then, but nothing of it
+/// committed, and since that error is still the session's last, the handler ran
+/// nothing after it: the call can be retried like any rolled-back one. Read from
+/// `SHOW ERRORS`, which must be the first statement after the handler's. (A handler
+/// whose DDL had committed part of its work before the deadlock is not told apart.)
+async fn rolled_back_by_server(tx: &mut Transaction<'static, MySql>) -> bool {
+    let Ok(errors) = sqlx::raw_sql("SHOW ERRORS").fetch_all(&mut **tx).await else {
+        return false;
+    };
+    let code = |row: &MySqlRow| {
+        let code = row.try_get::<u32, _>("Code");
+        code.ok().or_else(|| u32::try_from(row.try_get::<i64, _>("Code").ok()?).ok())
+    };
+    errors.last().and_then(code).is_some_and(|code| matches!(code, 1205 | 1213))
+}
+
+fn error_number(error: &dyn sqlx::error::DatabaseError) -> Option<u16> {
+    error.try_downcast_ref::<sqlx::mysql::MySqlDatabaseError>().map(|e| e.number())
 }
