@@ -97,15 +97,18 @@ pub struct PostgresStore {
 /// without copying the text.
 struct Sql {
     table: String,
-    /// `table` as the server resolves it, `schema.name`, once a claim asked.
-    resolved: OnceLock<String>,
+    /// `table` as the server resolves it, once a claim asked: `schema.name` for the
+    /// advisory lock ids, and the statements run inside the handler's transaction,
+    /// which name the table so, with quotes where needed, since the handler may have
+    /// moved its `search_path` (`SET LOCAL search_path TO tenant`).
+    resolved: OnceLock<Resolved>,
     claim: SqlStr,
     claim_deferred: SqlStr,
     claim_in_transaction: SqlStr,
-    redate_done: SqlStr,
     finish: SqlStr,
-    /// `finish`, only inside the transaction the handler was given.
-    finish_in_transaction: SqlStr,
+    /// The statements run inside the handler's transaction, with `table` as given,
+    /// until it is resolved.
+    in_transaction: InTransactionSql,
     release: SqlStr,
     renew: SqlStr,
     purge: SqlStr,
@@ -378,19 +381,28 @@ CREATE INDEX IF NOT EXISTS {index}_expires_at ON {t} (expires_at);"
     /// The records table as the server resolves it (`schema.name`), asked on `conn`
     /// once: the advisory lock ids hash it, so that stores given two spellings of one
     /// table (`records`, `public.records`) lock alike.
-    async fn resolved_table(&self, conn: &mut PgConnection) -> Result<&str, StoreError> {
-        if let Some(name) = self.sql.resolved.get() {
-            return Ok(name);
+    pub(crate) async fn resolved_table(&self, conn: &mut PgConnection) -> Result<&str, StoreError> {
+        if let Some(resolved) = self.sql.resolved.get() {
+            return Ok(&resolved.name);
         }
-        let (name,): (String,) = sqlx::query_as(
-            "SELECT n.nspname || '.' || c.relname FROM pg_class c \
-             JOIN pg_namespace n ON n.oid = c.relnamespace WHERE c.oid = $1::regclass",
+        let (name, quoted): (String, String) = sqlx::query_as(
+            "SELECT n.nspname || '.' || c.relname, \
+                    quote_ident(n.nspname) || '.' || quote_ident(c.relname) \
+             FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace \
+             WHERE c.oid = $1::regclass",
         )
         .bind(&self.sql.table)
         .fetch_one(&mut *conn)
         .await
         .map_err(sql::store_error)?;
-        Ok(self.sql.resolved.get_or_init(|| name))
+        let resolved = Resolved { name, statements: InTransactionSql::new(&quoted) };
+        Ok(&self.sql.resolved.get_or_init(|| resolved).name)
+    }
+
+    /// The statements run inside the handler's transaction, naming the table as
+    /// resolved once a claim resolved it.
+    fn in_transaction_sql(&self) -> &InTransactionSql {
+        self.sql.resolved.get().map_or(&self.sql.in_transaction, |r| &r.statements)
     }
 
     /// Dates the DONE record [`claim_in_transaction`](Self::claim_in_transaction) wrote
@@ -402,7 +414,7 @@ CREATE INDEX IF NOT EXISTS {index}_expires_at ON {t} (expires_at);"
         ttl: Duration,
         result: Option<&[u8]>,
     ) -> Result<Transition, StoreError> {
-        let done = sqlx::query(self.sql.redate_done.clone())
+        let done = sqlx::query(self.in_transaction_sql().redate_done.clone())
             .bind(key.stored().as_ref())
             .bind(millis(ttl))
             .bind(result)
@@ -448,7 +460,7 @@ CREATE INDEX IF NOT EXISTS {index}_expires_at ON {t} (expires_at);"
         result: Option<&[u8]>,
     ) -> Result<Transition, StoreError> {
         let extra = Extra::Finish { state: b'D' as i8, ttl: millis(ttl), result };
-        self.update(conn, &self.sql.finish_in_transaction, key, token, extra).await
+        self.update(conn, &self.in_transaction_sql().finish, key, token, extra).await
     }
 
     async fn update(
@@ -541,37 +553,64 @@ pub(crate) enum ClaimCommit {
     Deferred,
 }
 
+/// `table` resolved, and the statements that name it so.
+struct Resolved {
+    name: String,
+    statements: InTransactionSql,
+}
+
+/// The statements run inside the transaction the handler was given: they record DONE
+/// only while it stands ([`STILL_IN_TRANSACTION`]).
+struct InTransactionSql {
+    /// $2 ttl ms, $3 result. The row is the calling transaction's own.
+    redate_done: SqlStr,
+    /// [`finish_sql`]'s.
+    finish: SqlStr,
+}
+
+impl InTransactionSql {
+    fn new(t: &str) -> InTransactionSql {
+        InTransactionSql {
+            redate_done: statement(format!(
+                "UPDATE {t} SET expires_at = clock_timestamp() + $2 * interval '1 millisecond',
+    result = $3 WHERE key = $1 AND state = 'D' AND {STILL_IN_TRANSACTION}"
+            )),
+            finish: statement(format!("{} AND {STILL_IN_TRANSACTION}", finish_sql(t))),
+        }
+    }
+}
+
+/// The condition that the claim is the caller's and live, and sets the statement's
+/// lock timeout. Every time is the clock's, not `now()`: inside the handler's
+/// transaction `now()` is the transaction's start, and a handler that ran longer than
+/// `ttl` would commit a DONE record that has already expired.
+fn live_claim() -> String {
+    let lock =
+        format!("set_config('lock_timeout', '{}ms', true) IS NOT NULL", LOCK_TIMEOUT.as_millis());
+    format!("key = $1 AND state = 'P' AND token = $2 AND expires_at > clock_timestamp() AND {lock}")
+}
+
+/// Ends a live claim: $3 state (D or F), $4 ttl ms, $5 result.
+fn finish_sql(t: &str) -> String {
+    format!(
+        "UPDATE {t} SET state = $3::\"char\", token = NULL, lease_until = NULL,
+    expires_at = clock_timestamp() + $4 * interval '1 millisecond', result = $5 WHERE {}",
+        live_claim()
+    )
+}
+
 impl Sql {
     fn new(table: &str) -> Sql {
         let t = table;
-        // Every time is the clock's, not `now()`: inside the handler's transaction
-        // `now()` is the transaction's start, and a handler that ran longer than `ttl`
-        // would commit a DONE record that has already expired.
-        let lock = format!(
-            "set_config('lock_timeout', '{}ms', true) IS NOT NULL",
-            LOCK_TIMEOUT.as_millis()
-        );
-        let live = format!(
-            "key = $1 AND state = 'P' AND token = $2 AND expires_at > clock_timestamp() AND {lock}"
-        );
-        // $3 state (D or F), $4 ttl ms, $5 result.
-        let finish = format!(
-            "UPDATE {t} SET state = $3::\"char\", token = NULL, lease_until = NULL,
-    expires_at = clock_timestamp() + $4 * interval '1 millisecond', result = $5 WHERE {live}"
-        );
+        let live = live_claim();
         Sql {
             table: t.to_owned(),
             resolved: OnceLock::new(),
             claim: statement(claim_sql(t, ClaimCommit::Durable)),
             claim_deferred: statement(claim_sql(t, ClaimCommit::Deferred)),
             claim_in_transaction: statement(claim_in_transaction_sql(t)),
-            // $2 ttl ms, $3 result. The row is the calling transaction's own.
-            redate_done: statement(format!(
-                "UPDATE {t} SET expires_at = clock_timestamp() + $2 * interval '1 millisecond',
-    result = $3 WHERE key = $1 AND state = 'D' AND {STILL_IN_TRANSACTION}"
-            )),
-            finish_in_transaction: statement(format!("{finish} AND {STILL_IN_TRANSACTION}")),
-            finish: statement(finish),
+            finish: statement(finish_sql(t)),
+            in_transaction: InTransactionSql::new(t),
             release: statement(format!(
                 "UPDATE {t} SET state = 'R', token = NULL, lease_until = NULL WHERE {live}"
             )),

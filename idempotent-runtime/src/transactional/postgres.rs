@@ -93,6 +93,9 @@ impl Completion<PostgresStore> for InTransaction<'_> {
             // connection is next used.
             return Ok(claim);
         }
+        // Once per store, so that DONE, written after the handler's statements, names
+        // the table whatever `search_path` they left.
+        store.resolved_table(&mut conn).await?;
         let claim =
             store.claim_on(&mut conn, key, lease, ttl, fingerprint, ClaimCommit::Deferred).await?;
         if matches!(claim, Claim::Won { .. }) {
@@ -131,21 +134,17 @@ impl Completion<PostgresStore> for InTransaction<'_> {
             let error = StoreError::Protocol("the handler's transaction went missing".to_owned());
             return Completed::Failed { error, effects_kept: false };
         };
-        // What recording DONE answered; `None` when the claim's DONE stands as written.
-        let recorded = if !self.inline {
-            Some(store.complete_in_transaction(&mut tx, key, token, spec.ttl(), result).await)
-        } else if result.is_some() || self.claimed_at.elapsed() > spec.lease() {
-            // The claim wrote DONE, without the result, kept `ttl` + `lease` from the
-            // claim: date it from now when that is too short.
-            Some(store.redate_done(&mut tx, key, spec.ttl(), result).await)
-        } else {
-            None
-        };
+        let inline = self.inline.then_some(self.claimed_at);
+        let mut recorded = record_done(store, &mut tx, inline, key, token, spec, result).await;
         // The statement recording DONE checks that the transaction still stands too:
         // the transaction is asked only when none ran or it changed nothing, so the
         // common path pays no round trip for the check.
         let confirmed = matches!(recorded, Some(Ok(Transition::Applied)));
-        if !confirmed && !still_begun(&mut tx).await {
+        let begun = if confirmed { Begun::Marked } else { still_begun(&mut tx).await };
+        if begun == Begun::Unmarked && remark(&mut tx).await {
+            recorded = record_done(store, &mut tx, inline, key, token, spec, result).await;
+        }
+        if begun == Begun::Ended {
             rollback(tx).await;
             let inline_done = match self.inline {
                 true => Some(store.fail_inline_done(key, spec.ttl()).await),
@@ -178,7 +177,7 @@ impl Completion<PostgresStore> for InTransaction<'_> {
         if let Some(mut lent) = self.slot.take() {
             let begun = still_begun(&mut lent).await;
             rollback(lent).await;
-            if !begun {
+            if begun == Begun::Ended {
                 let inline_done = match self.inline {
                     true => Some(store.fail_inline_done(key, spec.ttl()).await),
                     false => None,
@@ -201,30 +200,81 @@ impl Completion<PostgresStore> for InTransaction<'_> {
     }
 }
 
+/// Records DONE in the handler's transaction; `None` when the claim taken in it
+/// (`inline`, with when it was sent) wrote DONE and that stands as written.
+async fn record_done(
+    store: &PostgresStore,
+    tx: &mut Transaction<'static, Postgres>,
+    inline: Option<tokio::time::Instant>,
+    key: &Key,
+    token: Token,
+    spec: &Spec,
+    result: Option<&[u8]>,
+) -> Option<Result<Transition, StoreError>> {
+    match inline {
+        None => Some(store.complete_in_transaction(tx, key, token, spec.ttl(), result).await),
+        // The claim wrote DONE, without the result, kept `ttl` + `lease` from the
+        // claim: date it from now when that is too short.
+        Some(claimed_at) if result.is_some() || claimed_at.elapsed() > spec.lease() => {
+            Some(store.redate_done(tx, key, spec.ttl(), result).await)
+        }
+        Some(_) => None,
+    }
+}
+
 /// Begins at READ COMMITTED on `conn`, giving up after a third of the lease. The
-/// same round trip marks the transaction ([`MARKER`], set with `SET LOCAL`, which
-/// goes when it ends), so that [`still_begun`] can tell it from one the handler
-/// began after ending it.
+/// same round trip marks the transaction twice, with marks that go when it ends, so
+/// that [`still_begun`] can tell it from one the handler began after ending it:
+/// `SET LOCAL idempotent.transaction`, which the DONE statement checks at no cost,
+/// and a shared advisory lock (class `0x69646d70`, object 1), asked only when the
+/// first is missing (a handler's `RESET ALL` clears it, not the lock).
 async fn begin_read_committed(
     conn: PoolConnection<Postgres>,
     spec: &Spec,
 ) -> Result<Transaction<'static, Postgres>, StoreError> {
-    let begin = "BEGIN ISOLATION LEVEL READ COMMITTED; SET LOCAL idempotent.transaction = 'begun'";
+    let begin = "BEGIN ISOLATION LEVEL READ COMMITTED; \
+                 SET LOCAL idempotent.transaction = 'begun'; \
+                 SELECT pg_advisory_xact_lock_shared(1768189296, 1)";
     begin_within(conn, begin, spec).await
 }
 
-/// Whether `tx` is still the transaction [`begin_read_committed`] began: a handler
-/// that sent its own `COMMIT` (or `ROLLBACK`) ended it, and its later statements ran
-/// on their own. Assumed so when the check can't be made (the connection failed: the
-/// DONE update then fails the same way).
-async fn still_begun(tx: &mut Transaction<'static, Postgres>) -> bool {
-    let marker = sqlx::query_scalar::<_, Option<String>>(
-        "SELECT current_setting('idempotent.transaction', true)",
+/// Whether the handler's transaction is the one [`begin_read_committed`] began.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Begun {
+    /// It is, and marked.
+    Marked,
+    /// It is, but its `SET LOCAL` mark was cleared (`RESET ALL`).
+    Unmarked,
+    /// It ended: a handler that sent its own `COMMIT` or `ROLLBACK` (`AND CHAIN`
+    /// too) ended it, and its later statements ran on their own or in a transaction
+    /// of their own.
+    Ended,
+}
+
+/// Asks which [`Begun`] `tx` is. Assumed [`Begun::Marked`] when the check can't be
+/// made (the connection failed, or the transaction is aborted, as after a deadlock:
+/// nothing of it can commit then).
+async fn still_begun(tx: &mut Transaction<'static, Postgres>) -> Begun {
+    let marks = sqlx::query_as::<_, (bool, bool)>(
+        "SELECT coalesce(current_setting('idempotent.transaction', true) = 'begun', false), \
+                EXISTS (SELECT 1 FROM pg_locks WHERE locktype = 'advisory' \
+                        AND pid = pg_backend_pid() AND classid = 1768189296 AND objid = 1 \
+                        AND objsubid = 2 AND mode = 'ShareLock' AND granted)",
     )
     .fetch_one(&mut **tx)
     .await;
-    match marker {
-        Ok(marker) => marker.as_deref() == Some("begun"),
-        Err(_) => true,
+    match marks {
+        Ok((true, _)) | Err(_) => Begun::Marked,
+        Ok((false, true)) => Begun::Unmarked,
+        Ok((false, false)) => Begun::Ended,
     }
+}
+
+/// Sets the `SET LOCAL` mark again in a transaction that still holds its lock;
+/// whether it was.
+async fn remark(tx: &mut Transaction<'static, Postgres>) -> bool {
+    sqlx::query("SELECT set_config('idempotent.transaction', 'begun', true)")
+        .execute(&mut **tx)
+        .await
+        .is_ok()
 }
