@@ -444,7 +444,7 @@ impl MysqlStore {
     /// Records DONE through `conn`, inside the handler's transaction: the record
     /// becomes DONE when, and only if, that transaction commits. On MariaDB a
     /// transaction that has ended changes nothing ([`Transition::LeaseLost`]: ask
-    /// `@@in_transaction` which it was).
+    /// the transaction's savepoint which it was).
     pub(crate) async fn complete_in_transaction(
         &self,
         conn: &mut MySqlConnection,
@@ -685,16 +685,16 @@ struct Sql {
     purge: SqlStr,
 }
 
+/// The condition that a handler's transaction still stands, for the statements that
+/// record DONE in it: on MariaDB `@@in_transaction` (in a `/*M! ... */` comment that
+/// only MariaDB executes), so that after a handler's statement committed implicitly
+/// (DDL) DONE changes nothing rather than committing on its own. MySQL has no such
+/// variable, and there the condition is left out.
+const STILL_IN_TRANSACTION: &str = " /*M! AND @@in_transaction = 1 */";
+
 /// Put before each statement: MariaDB runs it with a lock wait of [`LOCK_TIMEOUT`]
 /// (`SET STATEMENT ... FOR`, MariaDB's syntax, in a comment only MariaDB executes);
 /// MySQL reads a comment.
-/// The condition that a handler's transaction still stands, for the statements that
-/// record DONE in it: on MariaDB `@@in_transaction` (in a `/*M! ... */` comment that
-/// only MariaDB executes), so that after a handler ended its transaction early (DDL,
-/// its own `COMMIT`, a deadlock) DONE changes nothing rather than committing on its
-/// own. MySQL has no such variable, and there the condition is left out.
-const STILL_IN_TRANSACTION: &str = " /*M! AND @@in_transaction = 1 */";
-
 const LOCK_WAIT: &str = "/*M!100300 SET STATEMENT innodb_lock_wait_timeout = 2 FOR */ ";
 
 /// The database's clock, in UTC, fixed for the statement.

@@ -346,10 +346,9 @@ pub(crate) async fn commit_if_recorded<DB: Database>(
 /// What happened when a handler's transaction is found to have ended before its
 /// DONE record.
 const ENDED: &str = "the handler's transaction ended before its DONE record was written \
-    (a COMMIT or ROLLBACK the handler sent, a statement that commits implicitly such as \
-    DDL, or a deadlock or lock-wait timeout the server rolled the transaction back for): \
-    the writes before that committed or were rolled back, and those after it committed \
-    one by one";
+    (a COMMIT or ROLLBACK the handler sent, AND CHAIN too, or a statement that commits \
+    implicitly such as DDL or START TRANSACTION): the writes before that committed or were \
+    rolled back, and those after it committed one by one or in a transaction of their own";
 
 /// After the handler's transaction ended early (its connection already given back):
 /// records the key FAILED on its own, so that a redelivery neither runs the handler
