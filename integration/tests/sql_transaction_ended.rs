@@ -268,6 +268,42 @@ async fn heavier_side<DB: sqlx::Database>(
     side.commit().await.unwrap();
 }
 
+/// The handler's body on either database: `placeholder` is its bind parameter, and
+/// `side_waits` whether the side asks for row 1 after the handler asked for row 2
+/// (PostgreSQL: the one that waited first runs the deadlock check and is picked)
+/// rather than before (MariaDB: the lighter transaction is picked).
+async fn contend<DB: sqlx::Database>(
+    c: &Contended,
+    tx: &mut DB::Connection,
+    (ledger, locks): &(String, String),
+    pool: &sqlx::Pool<DB>,
+    placeholder: &'static str,
+    side_waits: bool,
+) -> Result<(), LedgerError>
+where
+    for<'c> &'c mut DB::Connection: sqlx::Executor<'c, Database = DB>,
+    for<'q> i64: sqlx::Encode<'q, DB> + sqlx::Type<DB>,
+    DB::Arguments: sqlx::IntoArguments<DB>,
+{
+    let insert = format!("INSERT INTO {ledger} (payment_id) VALUES ({placeholder})");
+    sqlx::query(AssertSqlSafe(insert)).bind(c.id).execute(&mut *tx).await?;
+    if c.deadlocks {
+        let one = format!("UPDATE {locks} SET n = n + 1 WHERE id = 1");
+        sqlx::query(AssertSqlSafe(one)).execute(&mut *tx).await?;
+        let (locked, side_locked) = tokio::sync::oneshot::channel();
+        let wait = Duration::from_millis(300);
+        let side_wait = if side_waits { wait } else { Duration::ZERO };
+        tokio::spawn(heavier_side(pool.clone(), locks.clone(), placeholder, side_wait, locked));
+        side_locked.await.unwrap();
+        if !side_waits {
+            tokio::time::sleep(wait).await;
+        }
+        let two = format!("UPDATE {locks} SET n = n + 1 WHERE id = 2");
+        sqlx::query(AssertSqlSafe(two)).execute(&mut *tx).await?;
+    }
+    Ok(())
+}
+
 #[idempotent(key = "{id}", namespace = "deadlock-my", store = store, transactional, on_terminal = alert)]
 async fn contend_mysql(
     c: Contended,
@@ -276,22 +312,7 @@ async fn contend_mysql(
     pool: &sqlx::MySqlPool,
     tx: &mut Transaction<'_, MySql>,
 ) -> Result<(), LedgerError> {
-    let (ledger, locks) = tables;
-    let insert = format!("INSERT INTO {ledger} (payment_id) VALUES (?)");
-    sqlx::query(AssertSqlSafe(insert)).bind(c.id).execute(&mut **tx).await?;
-    if c.deadlocks {
-        let one = format!("UPDATE {locks} SET n = n + 1 WHERE id = 1");
-        sqlx::query(AssertSqlSafe(one)).execute(&mut **tx).await?;
-        let (locked, side_locked) = tokio::sync::oneshot::channel();
-        let side = heavier_side(pool.clone(), locks.clone(), "?", Duration::ZERO, locked);
-        tokio::spawn(side);
-        side_locked.await.unwrap();
-        // The side's request for row 1 queues behind the handler first.
-        tokio::time::sleep(Duration::from_millis(300)).await;
-        let two = format!("UPDATE {locks} SET n = n + 1 WHERE id = 2");
-        sqlx::query(AssertSqlSafe(two)).execute(&mut **tx).await?;
-    }
-    Ok(())
+    contend(&c, &mut **tx, tables, pool, "?", false).await
 }
 
 #[idempotent(key = "{id}", namespace = "deadlock-pg", store = store, transactional, on_terminal = alert)]
@@ -302,21 +323,7 @@ async fn contend_pg(
     pool: &sqlx::PgPool,
     tx: &mut Transaction<'_, Postgres>,
 ) -> Result<(), LedgerError> {
-    let (ledger, locks) = tables;
-    let insert = format!("INSERT INTO {ledger} (payment_id) VALUES ($1)");
-    sqlx::query(AssertSqlSafe(insert)).bind(c.id).execute(&mut **tx).await?;
-    if c.deadlocks {
-        let one = format!("UPDATE {locks} SET n = n + 1 WHERE id = 1");
-        sqlx::query(AssertSqlSafe(one)).execute(&mut **tx).await?;
-        let (locked, side_locked) = tokio::sync::oneshot::channel();
-        // The handler waits first, so its deadlock check runs first and picks it.
-        let wait = Duration::from_millis(300);
-        tokio::spawn(heavier_side(pool.clone(), locks.clone(), "$1", wait, locked));
-        side_locked.await.unwrap();
-        let two = format!("UPDATE {locks} SET n = n + 1 WHERE id = 2");
-        sqlx::query(AssertSqlSafe(two)).execute(&mut **tx).await?;
-    }
-    Ok(())
+    contend(&c, &mut **tx, tables, pool, "$1", true).await
 }
 
 /// What both databases check of a deadlock victim: the first call is retried (the
