@@ -340,6 +340,30 @@ fn assert_retried<T: std::fmt::Debug, E: std::fmt::Debug>(
     assert_eq!(rows, 1, "{case}: rows");
 }
 
+/// A deadlock test for one database: `$store` its store type, `$contend` the
+/// handler, `$rows` the statement counting a payment's ledger rows; the tables exist.
+macro_rules! deadlock_cases {
+    ($pool:expr, $store:ident, $records:expr, $tables:expr, $contend:ident, $rows:expr) => {
+        let (pool, tables) = ($pool, $tables);
+        for (id, claim) in
+            [(3001, TransactionalClaim::Committed), (3002, TransactionalClaim::InTransaction)]
+        {
+            let store = $store::from_pool(pool.clone())
+                .with_table($records)
+                .unwrap()
+                .with_transactional_claim(claim);
+            store.migrate().await.unwrap();
+            let case = format!("{claim:?}");
+            let first = $contend(Contended { id, deadlocks: true }, &store, tables, pool).await;
+            let again = $contend(Contended { id, deadlocks: false }, &store, tables, pool).await;
+            let rows: i64 =
+                sqlx::query_scalar(AssertSqlSafe($rows)).bind(id).fetch_one(pool).await.unwrap();
+            assert_retried(&case, first, again, rows);
+            assert!(!alerted(id), "{case}: alerted");
+        }
+    };
+}
+
 #[tokio::test]
 async fn mariadb_a_deadlock_victim_is_retried_not_dead_lettered() {
     let Some(pool) = mysql::pool(6).await else { return };
@@ -348,31 +372,13 @@ async fn mariadb_a_deadlock_victim_is_retried_not_dead_lettered() {
     for create in [
         format!("CREATE TABLE {ledger} (payment_id bigint NOT NULL)"),
         format!("CREATE TABLE {locks} (id bigint PRIMARY KEY, n bigint NOT NULL)"),
-        format!(
-            "INSERT INTO {locks} (id, n) \
-             SELECT seq, 0 FROM seq_1_to_20"
-        ),
+        format!("INSERT INTO {locks} (id, n) SELECT seq, 0 FROM seq_1_to_20"),
     ] {
         sqlx::query(AssertSqlSafe(create)).execute(&pool).await.unwrap();
     }
+    let count = format!("SELECT count(*) FROM {ledger} WHERE payment_id = ?");
     let tables = (ledger.clone(), locks.clone());
-    let mut id = 3000;
-    for claim in [TransactionalClaim::Committed, TransactionalClaim::InTransaction] {
-        let store = MysqlStore::from_pool(pool.clone())
-            .with_table(&records)
-            .unwrap()
-            .with_transactional_claim(claim);
-        store.migrate().await.unwrap();
-        id += 1;
-        let case = format!("{claim:?}");
-        let first = contend_mysql(Contended { id, deadlocks: true }, &store, &tables, &pool).await;
-        let again = contend_mysql(Contended { id, deadlocks: false }, &store, &tables, &pool).await;
-        let count = format!("SELECT count(*) FROM {ledger} WHERE payment_id = ?");
-        let rows: i64 =
-            sqlx::query_scalar(AssertSqlSafe(count)).bind(id).fetch_one(&pool).await.unwrap();
-        assert_retried(&case, first, again, rows);
-        assert!(!alerted(id), "{case}: alerted");
-    }
+    deadlock_cases!(&pool, MysqlStore, &records, &tables, contend_mysql, count.clone());
     mysql::drop_tables(&pool, &[&ledger, &locks, &records]).await;
 }
 
@@ -388,24 +394,9 @@ async fn postgres_a_deadlock_victim_is_retried_not_dead_lettered() {
     ] {
         sqlx::query(AssertSqlSafe(create)).execute(&pool).await.unwrap();
     }
-    let tables = (ledger.clone(), locks);
-    let mut id = 3000;
-    for claim in [TransactionalClaim::Committed, TransactionalClaim::InTransaction] {
-        let store = PostgresStore::from_pool(pool.clone())
-            .with_table(&format!("records_{suffix}"))
-            .unwrap()
-            .with_transactional_claim(claim);
-        store.migrate().await.unwrap();
-        id += 1;
-        let case = format!("{claim:?}");
-        let first = contend_pg(Contended { id, deadlocks: true }, &store, &tables, &pool).await;
-        let again = contend_pg(Contended { id, deadlocks: false }, &store, &tables, &pool).await;
-        let count = format!("SELECT count(*) FROM {ledger} WHERE payment_id = $1");
-        let rows: i64 =
-            sqlx::query_scalar(AssertSqlSafe(count)).bind(id).fetch_one(&pool).await.unwrap();
-        assert_retried(&case, first, again, rows);
-        assert!(!alerted(id), "{case}: alerted");
-    }
+    let count = format!("SELECT count(*) FROM {ledger} WHERE payment_id = $1");
+    let records = format!("records_{suffix}");
+    deadlock_cases!(&pool, PostgresStore, &records, &(ledger, locks), contend_pg, count.clone());
 }
 
 /// A handler that changes its transaction's session settings between its writes
