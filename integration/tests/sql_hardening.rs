@@ -14,6 +14,8 @@ use std::time::Duration;
 mod mysql;
 #[path = "support/postgres.rs"]
 mod postgres;
+#[path = "support/sql_dialect.rs"]
+mod sql_dialect;
 
 use idempotent::{Claim, Classify, Error, Key, Outcome, Store, idempotent};
 use sqlx::{AssertSqlSafe, Transaction};
@@ -27,15 +29,8 @@ enum LedgerError {
 
 /// PostgreSQL's side of the tests.
 mod pg {
-    pub use idempotent::PostgresStore as Store;
-    use sqlx::{AssertSqlSafe, Executor, PgPool};
-
-    pub type Db = sqlx::Postgres;
-    pub type Pool = PgPool;
-
-    pub async fn pool(connections: u32) -> Option<Pool> {
-        super::postgres::pool(connections).await
-    }
+    pub use super::sql_dialect::pg::*;
+    use sqlx::{AssertSqlSafe, Executor};
 
     /// A pool whose sessions default to REPEATABLE READ: lease renewals from other
     /// connections would make a DONE update in such a snapshot fail with 40001.
@@ -52,14 +47,6 @@ mod pg {
         format!("INSERT INTO {ledger} (message_id) VALUES ($1)")
     }
 
-    pub fn count_rows(ledger: &str) -> String {
-        format!("SELECT count(*) FROM {ledger} WHERE message_id = $1")
-    }
-
-    pub fn steal_claim(records: &str) -> String {
-        format!("UPDATE {records} SET token = '\\x01'::bytea WHERE key = $1")
-    }
-
     /// The store's own table definition with its primary key left out, as a
     /// migration tool of the user's might write it.
     pub fn without_its_key(migration: &str) -> String {
@@ -73,11 +60,6 @@ mod pg {
     /// How long the store's statements wait for a row lock, if it can bound that.
     pub async fn lock_timeout(_: &Pool) -> Option<std::time::Duration> {
         Some(idempotent::postgres_store::LOCK_TIMEOUT)
-    }
-
-    pub async fn drop_tables(pool: &Pool, tables: &[&str]) {
-        let sql = format!("DROP TABLE IF EXISTS {}", tables.join(", "));
-        sqlx::query(AssertSqlSafe(sql)).execute(pool).await.unwrap();
     }
 
     /// A schema of its own, and pools of one and of two connections whose
@@ -113,15 +95,8 @@ mod pg {
 
 /// MySQL's and MariaDB's side of the tests.
 mod my {
-    pub use idempotent::MysqlStore as Store;
-    use sqlx::{AssertSqlSafe, MySqlPool};
-
-    pub type Db = sqlx::MySql;
-    pub type Pool = MySqlPool;
-
-    pub async fn pool(connections: u32) -> Option<Pool> {
-        super::mysql::pool(connections).await
-    }
+    pub use super::sql_dialect::my::*;
+    use sqlx::AssertSqlSafe;
 
     /// A pool whose sessions keep REPEATABLE READ snapshots strictly: MariaDB's
     /// `innodb_snapshot_isolation` (10.6.18+, on by default from 11.8) makes a locking
@@ -151,14 +126,6 @@ mod my {
         format!("INSERT INTO {ledger} (message_id) VALUES (?)")
     }
 
-    pub fn count_rows(ledger: &str) -> String {
-        format!("SELECT count(*) FROM {ledger} WHERE message_id = ?")
-    }
-
-    pub fn steal_claim(records: &str) -> String {
-        format!("UPDATE {records} SET token = X'01' WHERE `key` = ?")
-    }
-
     /// The store's own table definition with its primary key left out, as a
     /// migration tool of the user's might write it.
     pub fn without_its_key(migration: &str) -> String {
@@ -178,10 +145,6 @@ mod my {
             return None;
         }
         Some(idempotent::mysql_store::LOCK_TIMEOUT)
-    }
-
-    pub async fn drop_tables(pool: &Pool, tables: &[&str]) {
-        super::mysql::drop_tables(pool, tables).await;
     }
 
     /// A database of its own, and pools of one and of two connections whose

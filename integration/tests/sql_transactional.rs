@@ -21,6 +21,8 @@ mod cancel;
 mod mysql;
 #[path = "support/postgres.rs"]
 mod postgres;
+#[path = "support/sql_dialect.rs"]
+mod sql_dialect;
 
 use idempotent::{Classify, Error, Outcome, idempotent};
 use sqlx::{AssertSqlSafe, Transaction};
@@ -91,16 +93,8 @@ fn fresh_tables() -> (String, String) {
 
 /// PostgreSQL's side of the tests.
 mod pg {
-    pub use idempotent::PostgresStore as Store;
-    pub use idempotent::postgres_store::TransactionalClaim;
-    use sqlx::{AssertSqlSafe, PgPool, Transaction};
-
-    pub type Db = sqlx::Postgres;
-    pub type Pool = PgPool;
-
-    pub async fn pool(connections: u32) -> Option<Pool> {
-        super::postgres::pool(connections).await
-    }
+    pub use super::sql_dialect::pg::*;
+    use sqlx::Transaction;
 
     pub fn create_ledger(ledger: &str) -> String {
         format!(
@@ -113,10 +107,6 @@ mod pg {
         format!("INSERT INTO {ledger} (message_id, account, amount) VALUES ($1, $2, $3)")
     }
 
-    pub fn count_rows(ledger: &str) -> String {
-        format!("SELECT count(*) FROM {ledger} WHERE message_id = $1")
-    }
-
     pub fn totals(ledger: &str) -> String {
         format!(
             "SELECT count(*), count(DISTINCT message_id), coalesce(sum(amount), 0)::bigint \
@@ -126,10 +116,6 @@ mod pg {
 
     pub fn state(records: &str) -> String {
         format!("SELECT state::text FROM {records} WHERE key = $1")
-    }
-
-    pub fn steal_claim(records: &str) -> String {
-        format!("UPDATE {records} SET token = '\\x00'::bytea WHERE key = $1")
     }
 
     pub async fn connection_id(tx: &mut Transaction<'_, Db>) -> Result<i64, sqlx::Error> {
@@ -156,11 +142,6 @@ mod pg {
         sqlx::Row::get(&row, 0)
     }
 
-    pub async fn drop_tables(pool: &Pool, tables: &[&str]) {
-        let sql = format!("DROP TABLE {}", tables.join(", "));
-        sqlx::query(AssertSqlSafe(sql)).execute(pool).await.unwrap();
-    }
-
     pub async fn break_the_commit(tx: &mut Transaction<'_, Db>) -> Result<(), sqlx::Error> {
         let sql = "CREATE TEMP TABLE deferred_check (n int UNIQUE DEFERRABLE INITIALLY DEFERRED) \
                    ON COMMIT DROP";
@@ -172,16 +153,8 @@ mod pg {
 
 /// MySQL's and MariaDB's side of the tests.
 mod my {
-    pub use idempotent::MysqlStore as Store;
-    pub use idempotent::mysql_store::TransactionalClaim;
-    use sqlx::{AssertSqlSafe, MySqlPool, Transaction};
-
-    pub type Db = sqlx::MySql;
-    pub type Pool = MySqlPool;
-
-    pub async fn pool(connections: u32) -> Option<Pool> {
-        super::mysql::pool(connections).await
-    }
+    pub use super::sql_dialect::my::*;
+    use sqlx::{AssertSqlSafe, Transaction};
 
     pub fn create_ledger(ledger: &str) -> String {
         format!(
@@ -194,10 +167,6 @@ mod my {
         format!("INSERT INTO {ledger} (message_id, account, amount) VALUES (?, ?, ?)")
     }
 
-    pub fn count_rows(ledger: &str) -> String {
-        format!("SELECT count(*) FROM {ledger} WHERE message_id = ?")
-    }
-
     pub fn totals(ledger: &str) -> String {
         format!(
             "SELECT count(*), count(DISTINCT message_id), \
@@ -207,10 +176,6 @@ mod my {
 
     pub fn state(records: &str) -> String {
         format!("SELECT state FROM {records} WHERE `key` = ?")
-    }
-
-    pub fn steal_claim(records: &str) -> String {
-        format!("UPDATE {records} SET token = X'00' WHERE `key` = ?")
     }
 
     pub async fn connection_id(tx: &mut Transaction<'_, Db>) -> Result<i64, sqlx::Error> {
@@ -229,10 +194,6 @@ mod my {
         let open: u64 =
             sqlx::query_scalar("SELECT @@in_transaction").fetch_one(pool).await.unwrap();
         open != 0
-    }
-
-    pub async fn drop_tables(pool: &Pool, tables: &[&str]) {
-        super::mysql::drop_tables(pool, tables).await;
     }
 
     pub async fn break_the_commit(_: &mut Transaction<'_, Db>) -> Result<(), sqlx::Error> {
