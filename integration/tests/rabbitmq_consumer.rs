@@ -501,3 +501,70 @@ async fn retries_wait_by_the_backoff_without_holding_up_the_rest() {
 
 #[path = "support/backoff.rs"]
 mod backoff;
+
+/// A graceful stop mid-stream, as a deploy does: the calls in flight finish and are
+/// acked, nothing more is started, the deliveries the channel had prefetched are
+/// requeued at once (the stopped consumer's channel stays open here, so they would
+/// otherwise stay unacked), and a second consumer handles the rest. Each message's
+/// effect (counted by its handler, which is not idempotent itself) happens once.
+#[tokio::test]
+async fn a_graceful_stop_finishes_the_calls_in_flight_and_doubles_nothing() {
+    use std::collections::HashMap;
+    use std::sync::Mutex;
+    let Some((_connection, channel)) = open().await else { return };
+    let queue = testing::fresh_key("rabbit-stop").namespace().to_owned();
+    // Not auto-deleted: the first consumer's cancel would delete it, messages and all.
+    let kept = QueueDeclareOptions::default();
+    channel.queue_declare(queue.as_str().into(), kept, FieldTable::default()).await.unwrap();
+    plain_queue(&channel, &format!("{queue}.dead")).await;
+    for i in 0..30 {
+        publish(&channel, &queue, &format!("m{i}")).await;
+    }
+    let effects = Mutex::new(HashMap::<String, u32>::new());
+    let (begun, ended) = (Mutex::new(0), Mutex::new(0));
+    let handler = |m: RabbitMessage| {
+        let (effects, begun, ended) = (&effects, &begun, &ended);
+        async move {
+            *begun.lock().unwrap() += 1;
+            tokio::time::sleep(Duration::from_millis(300)).await;
+            *effects.lock().unwrap().entry(String::from_utf8(m.body).unwrap()).or_default() += 1;
+            *ended.lock().unwrap() += 1;
+            Settled::Ok(Outcome::Processed(()))
+        }
+    };
+    let (_c, first_channel) = open().await.unwrap();
+    first_channel.basic_qos(10, BasicQosOptions::default()).await.unwrap();
+    let first = RabbitConsumer::new(&first_channel, &queue, "first").await.unwrap().concurrency(4);
+    let shutdown = async {
+        while *ended.lock().unwrap() < 6 {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    };
+    let stopped = tokio::time::timeout(Duration::from_secs(20), first.run_until(handler, shutdown));
+    stopped.await.expect("run_until did not return after the shutdown").unwrap();
+    assert_eq!(*begun.lock().unwrap(), *ended.lock().unwrap(), "calls were cut off halfway");
+    let by_first = *ended.lock().unwrap();
+    assert!(by_first < 30, "the stop took no effect");
+
+    let (_c2, second_channel) = open().await.unwrap();
+    let second = RabbitConsumer::new(&second_channel, &queue, "second").await.unwrap();
+    let all = async {
+        while effects.lock().unwrap().len() < 30 {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        // Anything redelivered twice would show up by now.
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    };
+    tokio::select! {
+        () = all => {}
+        ended = second.run(handler) => panic!("run ended: {ended:?}"),
+        () = tokio::time::sleep(Duration::from_secs(15)) => {
+            panic!("only {} of 30 came to the second consumer", effects.lock().unwrap().len())
+        }
+    }
+    let twice: Vec<_> =
+        effects.lock().unwrap().iter().filter(|(_, n)| **n > 1).map(|(m, _)| m.clone()).collect();
+    assert!(twice.is_empty(), "effects doubled: {twice:?} (first consumer handled {by_first})");
+    let delete = lapin::options::QueueDeleteOptions::default();
+    channel.queue_delete(queue.as_str().into(), delete).await.unwrap();
+}

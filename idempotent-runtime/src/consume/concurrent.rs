@@ -42,18 +42,26 @@ use crate::{Disposition, DispositionExt};
 /// deliveries not yet started, unsettled (the broker hands them out again after the
 /// retried one). Deliveries of no lane (`None`) run as they come.
 ///
+/// When `stop` resolves (a graceful shutdown), it takes no more deliveries, lets the
+/// calls in flight return and settles them, drops the deliveries not started or
+/// waiting for a second call, unsettled, and answers `Ok`; calls still running
+/// `stop.grace` after the stop are dropped then (their claims released, as when the
+/// returned future is dropped).
+///
 /// `meter` counts the deliveries taken, settled and let go.
 #[allow(clippy::too_many_arguments)]
-pub(crate) async fn settle_concurrently<D, E, S, L, C, CF, R, T, TF, X>(
+pub(crate) async fn settle_concurrently<D, E, S, L, C, CF, R, T, TF, X, G>(
     deliveries: S,
     concurrency: usize,
     patience: Duration,
     meter: &ConsumerMeter,
+    stop: Stop<G>,
     lane: L,
     mut call: C,
     mut settle: T,
 ) -> Result<(), E>
 where
+    G: Future<Output = ()>,
     S: Stream<Item = Result<D, E>>,
     L: Fn(&D) -> Option<u64>,
     C: FnMut(&D) -> CF,
@@ -76,6 +84,9 @@ where
     let mut queued = 0;
     let mut ended = false;
     let mut failed: Option<E> = None;
+    let mut signal = std::pin::pin!(futures_util::FutureExt::fuse(stop.signal));
+    // Once stopped: when the calls still running are dropped.
+    let mut stopped: Option<Instant> = None;
     let mut finish = |delivery: D, answer: Answer| {
         let lane = lane(&delivery);
         Either::Right(settling(lane, answer.disposition, settle(delivery, answer)))
@@ -105,7 +116,7 @@ where
                 index += 1;
             }
         }
-        if failed.is_some() {
+        if failed.is_some() || stopped.is_some() {
             meter.let_go(waiting.len() + queued);
             waiting.clear();
             lanes.values_mut().for_each(VecDeque::clear);
@@ -115,8 +126,24 @@ where
         if ended && work.is_empty() && waiting.is_empty() {
             return failed.map_or(Ok(()), Err);
         }
+        if stopped.is_some_and(|at| at <= now) {
+            meter.let_go(work.len());
+            tracing::warn!(
+                calls = work.len(),
+                grace = ?stop.grace,
+                "calls still running when the shutdown's grace period ended were dropped: \
+                 their claims are released and their deliveries come again"
+            );
+            return failed.map_or(Ok(()), Err);
+        }
         let room = work.len() + waiting.len() + queued < concurrency;
+        let grace_over = stopped.unwrap_or(now);
         tokio::select! {
+            () = &mut signal, if stopped.is_none() => {
+                ended = true;
+                stopped = Some(super::deadline_after(stop.grace));
+            }
+            () = tokio::time::sleep_until(grace_over), if stopped.is_some() => {}
             next = deliveries.next(), if room && !ended => match next {
                 Some(Ok(delivery)) => {
                     meter.taken(1);
@@ -141,7 +168,8 @@ where
             Some(step) = work.next(), if !work.is_empty() => match step {
                 Step::Called { seq, delivery, answer, again } => {
                     calls.running.remove(&seq);
-                    if answer.in_progress && !again && concurrency > 1 && failed.is_none() {
+                    let going_on = failed.is_none() && stopped.is_none();
+                    if answer.in_progress && !again && concurrency > 1 && going_on {
                         let until = deadline_after(patience);
                         waiting.push(Waiting { after: calls.started, until, first: answer, delivery });
                     } else {
@@ -162,7 +190,8 @@ where
                         }
                     }
                     if let Some(Entry::Occupied(mut behind)) = lane.map(|l| lanes.entry(l)) {
-                        if disposition == Disposition::Retry || failed.is_some() {
+                        if disposition == Disposition::Retry || failed.is_some() || stopped.is_some()
+                        {
                             meter.let_go(behind.get().len());
                             queued -= behind.get().len();
                             behind.get_mut().clear();
@@ -183,6 +212,25 @@ where
         }
     }
 }
+
+/// A graceful shutdown for [`settle_concurrently`]: `signal` resolves to stop, and
+/// the calls in flight then have `grace` to return.
+pub(crate) struct Stop<G> {
+    pub(crate) signal: G,
+    pub(crate) grace: Duration,
+}
+
+#[cfg(test)]
+impl Stop<std::future::Pending<()>> {
+    /// No shutdown: the loop runs until its deliveries end or fail.
+    pub(crate) fn never() -> Self {
+        Stop { signal: std::future::pending(), grace: Duration::ZERO }
+    }
+}
+
+/// How long a consumer's calls in flight have to return after a graceful shutdown
+/// unless told otherwise.
+pub(crate) const DEFAULT_GRACE: Duration = Duration::from_secs(30);
 
 /// A settle, as a step of the loop.
 async fn settling<D, E, X: SettledAs>(
@@ -289,6 +337,16 @@ mod tests {
         keys: Rc<RefCell<Keys>>,
         fail_settle_of: Option<u32>,
     ) -> Result<(), &'static str> {
+        run_until(deliveries, concurrency, keys, fail_settle_of, Stop::never()).await
+    }
+
+    async fn run_until(
+        deliveries: Vec<u32>,
+        concurrency: usize,
+        keys: Rc<RefCell<Keys>>,
+        fail_settle_of: Option<u32>,
+        stop: Stop<impl Future<Output = ()>>,
+    ) -> Result<(), &'static str> {
         let stream = futures_util::stream::iter(deliveries.into_iter().map(Ok));
         let call = |&key: &u32| {
             let keys = keys.clone();
@@ -333,6 +391,7 @@ mod tests {
             concurrency,
             Duration::from_secs(1),
             &meter,
+            stop,
             |_| None,
             call,
             settle,
@@ -474,6 +533,7 @@ mod tests {
             8,
             Duration::from_secs(1),
             &meter,
+            Stop::never(),
             |d| Some(d.0.0),
             call,
             settle,
@@ -490,5 +550,34 @@ mod tests {
         assert_eq!(settled.borrow().len(), 6);
         assert!(settled.borrow().contains(&((0, 2), Disposition::Retry)));
         assert!(started.contains(&(1, 1)) && started.contains(&(2, 1)));
+    }
+
+    /// A graceful stop while calls are in flight: none is cut off, each is settled,
+    /// nothing more is taken, and the loop answers `Ok`.
+    #[tokio::test(start_paused = true)]
+    async fn a_stop_lets_the_calls_in_flight_finish_and_takes_no_more() {
+        let keys = Rc::new(RefCell::new(Keys::default()));
+        let signal = tokio::time::sleep(Duration::from_millis(25));
+        let stop = Stop { signal, grace: Duration::from_secs(30) };
+        run_until((0..100).collect(), 4, keys.clone(), None, stop).await.unwrap();
+        let keys = keys.borrow();
+        assert_eq!(keys.in_flight, 0, "calls were cut off halfway");
+        let settled = keys.settled.len();
+        assert!((4..100).contains(&settled), "{settled} settled: the stop took no effect");
+        assert_eq!(keys.done.len(), settled, "a call returned but was not settled");
+    }
+
+    /// A call that outlasts the grace period is dropped then, and the loop answers.
+    #[tokio::test(start_paused = true)]
+    async fn a_call_that_outlasts_the_grace_period_is_dropped() {
+        let keys = Rc::new(RefCell::new(Keys::default()));
+        keys.borrow_mut().hung.push(0);
+        let signal = tokio::time::sleep(Duration::from_millis(5));
+        let stop = Stop { signal, grace: Duration::from_secs(2) };
+        let started = Instant::now();
+        run_until((0..10).collect(), 2, keys.clone(), None, stop).await.unwrap();
+        let waited = started.elapsed();
+        assert!(waited >= Duration::from_secs(2) && waited < Duration::from_secs(3), "{waited:?}");
+        assert!(!keys.borrow().settled.iter().any(|&(key, _)| key == 0));
     }
 }

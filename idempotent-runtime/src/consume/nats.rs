@@ -15,7 +15,7 @@ use futures_util::StreamExt as _;
 
 use super::Answer;
 use super::DEFAULT_CONCURRENCY;
-use super::concurrent::settle_concurrently;
+use super::concurrent::{DEFAULT_GRACE, Stop, settle_concurrently};
 use crate::delivery::with_delivery_count;
 use crate::execute::Spec;
 use crate::metrics::ConsumerMeter;
@@ -115,6 +115,7 @@ pub struct NatsConsumer {
     jetstream: jetstream::Context,
     dead_letter: String,
     retry_delay: Duration,
+    grace: Duration,
     batch: usize,
     ack_wait: Duration,
     max_deliver: Option<i64>,
@@ -162,6 +163,7 @@ impl NatsConsumer {
             jetstream,
             dead_letter,
             retry_delay: Duration::from_secs(1),
+            grace: DEFAULT_GRACE,
             batch: 10,
             ack_wait: config.ack_wait,
             max_deliver,
@@ -208,7 +210,27 @@ impl NatsConsumer {
     ///
     /// The messages are read in the broker's order but handled side by side: where
     /// their order matters, use `concurrency(1)`.
-    pub async fn run<F, Fut, R>(&self, mut handler: F) -> Result<(), NatsError>
+    pub async fn run<F, Fut, R>(&self, handler: F) -> Result<(), NatsError>
+    where
+        F: FnMut(NatsMessage) -> Fut,
+        Fut: Future<Output = R>,
+        R: DispositionExt,
+    {
+        self.run_until(handler, std::future::pending()).await
+    }
+
+    /// As [`run`](NatsConsumer::run), until `shutdown` resolves (a signal, a deploy's
+    /// stop): then no more messages are pulled, the calls in flight finish and are
+    /// settled, and `run_until` answers `Ok`. Messages pulled but not started are left
+    /// unacked: the server redelivers them after `ack_wait` (to another consumer of
+    /// the group). Calls still running
+    /// [`shutdown_grace`](NatsConsumer::shutdown_grace) after the shutdown are dropped
+    /// then (their claims released).
+    pub async fn run_until<F, Fut, R>(
+        &self,
+        mut handler: F,
+        shutdown: impl Future<Output = ()>,
+    ) -> Result<(), NatsError>
     where
         F: FnMut(NatsMessage) -> Fut,
         Fut: Future<Output = R>,
@@ -224,6 +246,7 @@ impl NatsConsumer {
             self.concurrency,
             self.retry_delay,
             &meter,
+            Stop { signal: shutdown, grace: self.grace },
             |_| None,
             |held: &Held| {
                 with_delivery_count(held.message.delivery_count, handler(held.message.clone()))
@@ -231,6 +254,15 @@ impl NatsConsumer {
             |held, answer| self.settle(held, answer),
         )
         .await
+    }
+
+    /// How long the calls in flight have to finish after [`run_until`]'s shutdown;
+    /// default 30 s. Keep it under what the deploy waits before it kills the process.
+    ///
+    /// [`run_until`]: NatsConsumer::run_until
+    pub fn shutdown_grace(mut self, grace: Duration) -> Self {
+        self.grace = grace;
+        self
     }
 
     /// Waits for the next message, runs `handler` on it and settles it. `None` when

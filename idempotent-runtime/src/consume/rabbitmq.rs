@@ -12,7 +12,7 @@ use lapin::{BasicProperties, Channel, ExchangeKind};
 
 use super::Answer;
 use super::DEFAULT_CONCURRENCY;
-use super::concurrent::settle_concurrently;
+use super::concurrent::{DEFAULT_GRACE, Stop, settle_concurrently};
 use crate::delivery::with_delivery_count;
 use crate::metrics::ConsumerMeter;
 use crate::publish::rabbitmq::{confirmed, name, refused};
@@ -144,6 +144,7 @@ pub struct RabbitConsumer {
     dead_letter: String,
     retry_delay: std::time::Duration,
     concurrency: usize,
+    grace: std::time::Duration,
 }
 
 impl RabbitConsumer {
@@ -175,6 +176,7 @@ impl RabbitConsumer {
             dead_letter: dead_letter.to_owned(),
             retry_delay: std::time::Duration::from_secs(1),
             concurrency: DEFAULT_CONCURRENCY,
+            grace: DEFAULT_GRACE,
         })
     }
 
@@ -208,7 +210,34 @@ impl RabbitConsumer {
     ///
     /// The deliveries are read in the broker's order but handled side by side: where
     /// their order matters, use `concurrency(1)`.
-    pub async fn run<F, Fut, R>(&self, mut handler: F) -> lapin::Result<()>
+    pub async fn run<F, Fut, R>(&self, handler: F) -> lapin::Result<()>
+    where
+        F: FnMut(RabbitMessage) -> Fut,
+        Fut: Future<Output = R>,
+        R: DispositionExt,
+    {
+        self.run_until(handler, std::future::pending()).await
+    }
+
+    /// As [`run`](RabbitConsumer::run), until `shutdown` resolves (a signal, a
+    /// deploy's stop): then the consumer is cancelled (`basic.cancel`: the broker sends
+    /// no more), the calls in flight finish and are settled, the deliveries the channel
+    /// had prefetched are requeued at once, and `run_until` answers `Ok`. Calls still
+    /// running [`shutdown_grace`](RabbitConsumer::shutdown_grace) after the shutdown
+    /// are dropped then (their claims released, their deliveries requeued).
+    ///
+    /// ```no_run
+    /// # use idempotent_runtime::consume::rabbitmq::{RabbitConsumer, RabbitMessage};
+    /// # async fn handle(_: RabbitMessage) -> Result<(), std::convert::Infallible> { Ok(()) }
+    /// # async fn demo(consumer: RabbitConsumer) -> lapin::Result<()> {
+    /// consumer.run_until(handle, async { tokio::signal::ctrl_c().await.ok(); }).await?;
+    /// # Ok(()) }
+    /// ```
+    pub async fn run_until<F, Fut, R>(
+        &self,
+        mut handler: F,
+        shutdown: impl Future<Output = ()>,
+    ) -> lapin::Result<()>
     where
         F: FnMut(RabbitMessage) -> Fut,
         Fut: Future<Output = R>,
@@ -216,18 +245,58 @@ impl RabbitConsumer {
     {
         let deliveries = self.consumer.clone().map(|delivery| delivery.map(Held::new));
         let meter = ConsumerMeter::new("rabbitmq", &self.queue);
-        settle_concurrently(
+        let (stopped_tx, stopped) = tokio::sync::oneshot::channel::<()>();
+        let signal = async move {
+            shutdown.await;
+            let _ = stopped_tx.send(());
+        };
+        let ran = settle_concurrently(
             deliveries,
             self.concurrency,
             self.retry_delay,
             &meter,
+            Stop { signal, grace: self.grace },
             |_| None,
             |held: &Held| {
                 with_delivery_count(held.message.delivery_count, handler(held.message.clone()))
             },
             |held, answer| self.settle(held, answer),
         )
-        .await
+        .await;
+        if stopped.await.is_ok() {
+            self.requeue_prefetched(&meter).await;
+        }
+        ran
+    }
+
+    /// How long the calls in flight have to finish after [`run_until`]'s shutdown;
+    /// default 30 s. Keep it under what the deploy waits before it kills the process.
+    ///
+    /// [`run_until`]: RabbitConsumer::run_until
+    pub fn shutdown_grace(mut self, grace: std::time::Duration) -> Self {
+        self.grace = grace;
+        self
+    }
+
+    /// After a shutdown: cancels the consumer, so the broker sends no more, and
+    /// requeues the deliveries it had sent before the cancel (up to the prefetch),
+    /// which would otherwise stay unacked until the channel closes.
+    async fn requeue_prefetched(&self, meter: &ConsumerMeter) {
+        let cancel = self.channel.basic_cancel(self.consumer.tag(), Default::default()).await;
+        if let Err(error) = cancel {
+            tracing::warn!(%error, "cancelling the consumer at shutdown failed");
+            return;
+        }
+        // The consumer's stream ends once the broker confirmed the cancel; what it
+        // yields before that was sent earlier. Bounded, should the end not come.
+        let mut rest = self.consumer.clone();
+        let drain = async {
+            while let Some(Ok(delivery)) = rest.next().await {
+                meter.let_go(1);
+                drop(Held::new(delivery));
+            }
+        };
+        let _ = tokio::time::timeout(std::time::Duration::from_secs(5), drain).await;
     }
 
     /// Waits for the next delivery, runs `handler` on it and settles it (a Retry's

@@ -23,7 +23,7 @@ mod exactly_once;
 pub use exactly_once::{ExactlyOnceConsumer, Output, OutputRecord, Produced, Transformed};
 
 use super::DEFAULT_CONCURRENCY;
-use super::concurrent::settle_concurrently;
+use super::concurrent::{DEFAULT_GRACE, Stop, settle_concurrently};
 use super::{Answer, deadline_after};
 use crate::metrics::ConsumerMeter;
 use crate::{Disposition, DispositionExt, Payload, PayloadRef};
@@ -163,6 +163,7 @@ pub struct KafkaConsumer {
     dead_letter_timeout: Duration,
     concurrency: usize,
     commit_interval: Duration,
+    grace: Duration,
     /// Told of each rewind, so that a receive already waiting for a record works out
     /// again when the paused partition is due to resume.
     rewound: tokio::sync::Notify,
@@ -491,6 +492,7 @@ impl KafkaConsumer {
             dead_letter_timeout: Duration::from_secs(30),
             concurrency: DEFAULT_CONCURRENCY,
             commit_interval: Duration::from_millis(100),
+            grace: DEFAULT_GRACE,
             rewound: tokio::sync::Notify::new(),
         }
     }
@@ -499,6 +501,15 @@ impl KafkaConsumer {
     /// assigned partitions and within each; default [`DEFAULT_CONCURRENCY`] (32).
     pub fn concurrency(mut self, in_flight: usize) -> Self {
         self.concurrency = in_flight.max(1);
+        self
+    }
+
+    /// How long the calls in flight have to finish after [`run_until`]'s shutdown;
+    /// default 30 s. Keep it under what the deploy waits before it kills the process.
+    ///
+    /// [`run_until`]: KafkaConsumer::run_until
+    pub fn shutdown_grace(mut self, grace: Duration) -> Self {
+        self.grace = grace;
         self
     }
 
@@ -551,7 +562,28 @@ impl KafkaConsumer {
     /// answers it. Records in hand when the future is dropped, or waiting for a second
     /// call when it fails, rewind their partitions to the lowest of them; settled
     /// offsets not yet committed are committed then.
-    pub async fn run<F, Fut, R>(&self, mut handler: F) -> Result<(), KafkaError>
+    pub async fn run<F, Fut, R>(&self, handler: F) -> Result<(), KafkaError>
+    where
+        F: FnMut(KafkaMessage) -> Fut,
+        Fut: Future<Output = R>,
+        R: DispositionExt,
+    {
+        self.run_until(handler, std::future::pending()).await
+    }
+
+    /// As [`run`](KafkaConsumer::run), until `shutdown` resolves (a signal, a deploy's
+    /// stop): then no more records are taken, the calls in flight finish and are
+    /// settled, the offsets settled are committed, and `run_until` answers `Ok`.
+    /// Records fetched but not started are not committed: the partition's next owner
+    /// reads them. Calls still running
+    /// [`shutdown_grace`](KafkaConsumer::shutdown_grace) after the shutdown are dropped
+    /// then (their claims released, their records read again). Drop the consumer
+    /// afterwards to leave the group at once rather than after its session timeout.
+    pub async fn run_until<F, Fut, R>(
+        &self,
+        mut handler: F,
+        shutdown: impl Future<Output = ()>,
+    ) -> Result<(), KafkaError>
     where
         F: FnMut(KafkaMessage) -> Fut,
         Fut: Future<Output = R>,
@@ -574,6 +606,7 @@ impl KafkaConsumer {
             self.concurrency,
             self.retry_delay,
             &meter,
+            Stop { signal: shutdown, grace: self.grace },
             |held: &Held<'_>| Some(lane(&held.message, held.epoch)),
             |held: &Held<'_>| handler(held.message.clone()),
             |held, answer| async move {
