@@ -858,3 +858,75 @@ fn a_consumer_that_commits_by_itself_is_refused_before_taking_a_record() {
         assert!(committed.iter().all(|&c| c <= 0), "committed {committed:?}");
     });
 }
+
+/// A graceful stop mid-stream, as a deploy does: the calls in flight finish and are
+/// settled, nothing more is started, what they reached is committed, and the next
+/// member of the group handles the rest. Each record's effect (counted by its
+/// handler, which is not idempotent itself) happens once.
+#[test]
+fn a_graceful_stop_finishes_the_calls_in_flight_and_doubles_nothing() {
+    use std::sync::Mutex;
+    let Some(broker) = Broker::start() else { return };
+    block_on(async {
+        let topic = testing::fresh_key("kafka-stop").namespace().to_owned();
+        let (dead, group) = (format!("{topic}.dead"), format!("{topic}-group"));
+        broker.create_topics(&[(&topic, 2), (&dead, 1)]).await;
+        let producer: FutureProducer = broker.config().create().unwrap();
+        for i in 0..30 {
+            produce(&producer, &topic, i % 2, &i.to_string()).await;
+        }
+        let effects = Mutex::new(HashMap::<String, u32>::new());
+        let (begun, ended) = (Mutex::new(0), Mutex::new(0));
+        let handler = |m: KafkaMessage| {
+            let (effects, begun, ended) = (&effects, &begun, &ended);
+            async move {
+                *begun.lock().unwrap() += 1;
+                tokio::time::sleep(Duration::from_millis(300)).await;
+                *effects.lock().unwrap().entry(body(&m)).or_default() += 1;
+                *ended.lock().unwrap() += 1;
+                ok()
+            }
+        };
+        let by_first = {
+            let first = KafkaConsumer::new(broker.member(&group, &topic), producer.clone(), &dead)
+                .concurrency(4);
+            let shutdown = async {
+                while *ended.lock().unwrap() < 6 {
+                    tokio::time::sleep(Duration::from_millis(10)).await;
+                }
+            };
+            let stopped =
+                tokio::time::timeout(Duration::from_secs(30), first.run_until(handler, shutdown));
+            stopped.await.expect("run_until did not return after the shutdown").unwrap();
+            assert_eq!(
+                *begun.lock().unwrap(),
+                *ended.lock().unwrap(),
+                "calls were cut off halfway"
+            );
+            *ended.lock().unwrap()
+        };
+        assert!(by_first < 30, "the stop took no effect");
+        let second = KafkaConsumer::new(broker.member(&group, &topic), producer, dead);
+        let all = async {
+            while effects.lock().unwrap().len() < 30 {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            tokio::time::sleep(Duration::from_millis(500)).await;
+        };
+        tokio::select! {
+            () = all => {}
+            ended = second.run(handler) => panic!("run ended: {ended:?}"),
+            () = tokio::time::sleep(Duration::from_secs(30)) => {
+                panic!("only {} of 30 came to the second member", effects.lock().unwrap().len())
+            }
+        }
+        let twice: Vec<_> = effects
+            .lock()
+            .unwrap()
+            .iter()
+            .filter(|(_, n)| **n > 1)
+            .map(|(m, _)| m.clone())
+            .collect();
+        assert!(twice.is_empty(), "effects doubled: {twice:?} (first member handled {by_first})");
+    });
+}

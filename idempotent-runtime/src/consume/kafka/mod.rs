@@ -164,6 +164,12 @@ pub struct KafkaConsumer {
     concurrency: usize,
     commit_interval: Duration,
     grace: Duration,
+    /// While [`run_until`](KafkaConsumer::run_until) stops: the records let go then
+    /// (topic, partition, offset, assignment), rewound only once the settled offsets
+    /// are committed. A rewind would drop the settles of the records in flight beside
+    /// them from the commit (the partition reads those again), so a graceful stop
+    /// would hand its last records to the next owner to run again.
+    stopping: Mutex<Option<Vec<(String, i32, i64, u64)>>>,
     /// Told of each rewind, so that a receive already waiting for a record works out
     /// again when the paused partition is due to resume.
     rewound: tokio::sync::Notify,
@@ -493,6 +499,7 @@ impl KafkaConsumer {
             concurrency: DEFAULT_CONCURRENCY,
             commit_interval: Duration::from_millis(100),
             grace: DEFAULT_GRACE,
+            stopping: Mutex::new(None),
             rewound: tokio::sync::Notify::new(),
         }
     }
@@ -601,12 +608,18 @@ impl KafkaConsumer {
                 }
             }
         });
+        let (stopped_tx, stopped) = tokio::sync::oneshot::channel::<()>();
+        let signal = async move {
+            shutdown.await;
+            *lock(&self.stopping) = Some(Vec::new());
+            let _ = stopped_tx.send(());
+        };
         let settle = settle_concurrently(
             deliveries,
             self.concurrency,
             self.retry_delay,
             &meter,
-            Stop { signal: shutdown, grace: self.grace },
+            Stop { signal, grace: self.grace },
             |held: &Held<'_>| Some(lane(&held.message, held.epoch)),
             |held: &Held<'_>| handler(held.message.clone()),
             |held, answer| async move {
@@ -636,11 +649,23 @@ impl KafkaConsumer {
                 }
             }
         };
-        tokio::select! {
+        let ran = tokio::select! {
             biased;
             result = settle => result,
             never = commits => never,
+        };
+        if stopped.await.is_ok() {
+            // Stopped: the settled offsets reach the broker before the caller drops the
+            // consumer and leaves the group, so the next owner starts after them; then
+            // the records let go are rewound, for a consumer that runs again.
+            let committed = self.flush_with(CommitMode::Sync);
+            let left = lock(&self.stopping).take().unwrap_or_default();
+            for (topic, partition, offset, epoch) in left {
+                self.rewind(&topic, partition, offset, epoch, Instant::now())?;
+            }
+            committed?;
         }
+        ran
     }
 
     /// Receives the next record and settles it with `handler`'s disposition,
@@ -767,6 +792,12 @@ impl KafkaConsumer {
     /// Commits, in one asynchronous commit, the offsets the settled records of each
     /// partition reached since the last flush.
     fn flush(&self) -> Result<(), KafkaError> {
+        self.flush_with(CommitMode::Async)
+    }
+
+    /// [`flush`](Self::flush), the commit sent as `mode` says (`Sync` waits for the
+    /// broker's answer, blocking the thread meanwhile).
+    fn flush_with(&self, mode: CommitMode) -> Result<(), KafkaError> {
         let mut offsets = TopicPartitionList::new();
         {
             let mut state = self.consumer.context().state();
@@ -781,7 +812,7 @@ impl KafkaConsumer {
         if offsets.count() == 0 {
             return Ok(());
         }
-        self.consumer.commit(&offsets, CommitMode::Async)
+        self.consumer.commit(&offsets, mode)
     }
 
     /// Resumes the partitions whose retry delay is over; returns when the next one is.
@@ -977,12 +1008,21 @@ impl Drop for Held<'_> {
             return;
         }
         let m = &self.message;
+        if let Some(left) = lock(&self.consumer.stopping).as_mut() {
+            left.push((m.topic.clone(), m.partition, m.offset, self.epoch));
+            return;
+        }
         let rewound =
             self.consumer.rewind(&m.topic, m.partition, m.offset, self.epoch, Instant::now());
         if let Err(error) = rewound {
             tracing::warn!(%error, "rewinding a dropped record's partition failed");
         }
     }
+}
+
+/// `mutex`'s value, poisoned or not (what it guards is whole between statements).
+fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    mutex.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
 /// Commits what the settled records reached when [`KafkaConsumer::run`] ends or is
