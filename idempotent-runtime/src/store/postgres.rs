@@ -93,22 +93,32 @@ pub struct PostgresStore {
     transactional_claim: TransactionalClaim,
 }
 
-/// The statements, built once per table. `SqlStr`s made from an `Arc<str>` clone
+/// The records table and its statements. `SqlStr`s made from an `Arc<str>` clone
 /// without copying the text.
 struct Sql {
     table: String,
-    /// `table` as the server resolves it, once a claim asked: `schema.name` for the
-    /// advisory lock ids, and the statements run inside the handler's transaction,
-    /// which name the table so, with quotes where needed, since the handler may have
-    /// moved its `search_path` (`SET LOCAL search_path TO tenant`).
+    /// The statements naming `table` as given, until a claim resolved it.
+    given: Statements,
+    /// `table` as the server resolves it, once the first claim asked (on a
+    /// connection no handler has used yet): `schema.name` for the advisory lock ids,
+    /// and every statement from then on names the table so (quoted where needed),
+    /// whatever `search_path` a handler set on the connection since, for its
+    /// transaction (`SET LOCAL`) or for the session the pool keeps.
     resolved: OnceLock<Resolved>,
+}
+
+/// The statements, built once per table name.
+struct Statements {
     claim: SqlStr,
     claim_deferred: SqlStr,
     claim_in_transaction: SqlStr,
     finish: SqlStr,
-    /// The statements run inside the handler's transaction, with `table` as given,
-    /// until it is resolved.
-    in_transaction: InTransactionSql,
+    /// `finish`, only inside the transaction the handler was given, while it stands
+    /// ([`STILL_IN_TRANSACTION`]).
+    finish_in_transaction: SqlStr,
+    /// $2 ttl ms, $3 result. The row is the calling transaction's own, while it
+    /// stands.
+    redate_done: SqlStr,
     release: SqlStr,
     renew: SqlStr,
     purge: SqlStr,
@@ -261,7 +271,7 @@ CREATE INDEX IF NOT EXISTS {index}_expires_at ON {t} (expires_at);"
 
     /// Deletes up to `batch` expired records; returns how many.
     pub async fn purge_expired(&self, batch: i64) -> Result<u64, StoreError> {
-        let done = sqlx::query(self.sql.purge.clone())
+        let done = sqlx::query(self.sql.statements().purge.clone())
             .bind(batch)
             .execute(&self.pool)
             .await
@@ -308,10 +318,11 @@ CREATE INDEX IF NOT EXISTS {index}_expires_at ON {t} (expires_at);"
     ) -> Result<Claim, StoreError> {
         self.maybe_purge();
         self.renewal_pool();
+        self.resolved_table(conn).await?;
         let retention = crate::claim_retention(lease, ttl);
         let sql = match commit {
-            ClaimCommit::Durable => &self.sql.claim,
-            ClaimCommit::Deferred => &self.sql.claim_deferred,
+            ClaimCommit::Durable => &self.sql.statements().claim,
+            ClaimCommit::Deferred => &self.sql.statements().claim_deferred,
         };
         let stored = key.stored();
         // A record inserted by a transaction that committed after this statement's
@@ -364,7 +375,7 @@ CREATE INDEX IF NOT EXISTS {index}_expires_at ON {t} (expires_at);"
             // The outcome is NULL when the record went between the insert's check and
             // the read of why it failed: ask again.
             let row: Option<(Option<String>, i32, Option<Vec<u8>>)> =
-                sqlx::query_as(self.sql.claim_in_transaction.clone())
+                sqlx::query_as(self.sql.statements().claim_in_transaction.clone())
                     .bind(stored.as_ref())
                     .bind(lock)
                     .bind(millis(ttl.saturating_add(lease)))
@@ -395,14 +406,9 @@ CREATE INDEX IF NOT EXISTS {index}_expires_at ON {t} (expires_at);"
         .fetch_one(&mut *conn)
         .await
         .map_err(sql::store_error)?;
-        let resolved = Resolved { name, statements: InTransactionSql::new(&quoted) };
+        let statements = Statements::new(&quoted);
+        let resolved = Resolved { name, quoted, statements };
         Ok(&self.sql.resolved.get_or_init(|| resolved).name)
-    }
-
-    /// The statements run inside the handler's transaction, naming the table as
-    /// resolved once a claim resolved it.
-    fn in_transaction_sql(&self) -> &InTransactionSql {
-        self.sql.resolved.get().map_or(&self.sql.in_transaction, |r| &r.statements)
     }
 
     /// Dates the DONE record [`claim_in_transaction`](Self::claim_in_transaction) wrote
@@ -414,7 +420,7 @@ CREATE INDEX IF NOT EXISTS {index}_expires_at ON {t} (expires_at);"
         ttl: Duration,
         result: Option<&[u8]>,
     ) -> Result<Transition, StoreError> {
-        let done = sqlx::query(self.in_transaction_sql().redate_done.clone())
+        let done = sqlx::query(self.sql.statements().redate_done.clone())
             .bind(key.stored().as_ref())
             .bind(millis(ttl))
             .bind(result)
@@ -436,7 +442,7 @@ CREATE INDEX IF NOT EXISTS {index}_expires_at ON {t} (expires_at);"
             "UPDATE {} SET state = 'F', result = NULL,
     expires_at = clock_timestamp() + $2 * interval '1 millisecond'
     WHERE key = $1 AND state = 'D' AND token IS NULL",
-            self.sql.table
+            self.sql.named()
         );
         let done = sqlx::query(AssertSqlSafe(sql))
             .bind(key.stored().as_ref())
@@ -460,7 +466,7 @@ CREATE INDEX IF NOT EXISTS {index}_expires_at ON {t} (expires_at);"
         result: Option<&[u8]>,
     ) -> Result<Transition, StoreError> {
         let extra = Extra::Finish { state: b'D' as i8, ttl: millis(ttl), result };
-        self.update(conn, &self.in_transaction_sql().finish, key, token, extra).await
+        self.update(conn, &self.sql.statements().finish_in_transaction, key, token, extra).await
     }
 
     async fn update(
@@ -556,28 +562,9 @@ pub(crate) enum ClaimCommit {
 /// `table` resolved, and the statements that name it so.
 struct Resolved {
     name: String,
-    statements: InTransactionSql,
-}
-
-/// The statements run inside the transaction the handler was given: they record DONE
-/// only while it stands ([`STILL_IN_TRANSACTION`]).
-struct InTransactionSql {
-    /// $2 ttl ms, $3 result. The row is the calling transaction's own.
-    redate_done: SqlStr,
-    /// [`finish_sql`]'s.
-    finish: SqlStr,
-}
-
-impl InTransactionSql {
-    fn new(t: &str) -> InTransactionSql {
-        InTransactionSql {
-            redate_done: statement(format!(
-                "UPDATE {t} SET expires_at = clock_timestamp() + $2 * interval '1 millisecond',
-    result = $3 WHERE key = $1 AND state = 'D' AND {STILL_IN_TRANSACTION}"
-            )),
-            finish: statement(format!("{} AND {STILL_IN_TRANSACTION}", finish_sql(t))),
-        }
-    }
+    /// `name` quoted where needed, as statements name it.
+    quoted: String,
+    statements: Statements,
 }
 
 /// The condition that the claim is the caller's and live, and sets the statement's
@@ -601,16 +588,36 @@ fn finish_sql(t: &str) -> String {
 
 impl Sql {
     fn new(table: &str) -> Sql {
-        let t = table;
+        Sql { table: table.to_owned(), given: Statements::new(table), resolved: OnceLock::new() }
+    }
+
+    /// The statements: naming the table as resolved, once it is.
+    fn statements(&self) -> &Statements {
+        self.resolved.get().map_or(&self.given, |resolved| &resolved.statements)
+    }
+
+    /// The table as statements name it: resolved, once it is.
+    fn named(&self) -> &str {
+        self.resolved.get().map_or(&self.table, |resolved| &resolved.quoted)
+    }
+}
+
+impl Statements {
+    fn new(t: &str) -> Statements {
         let live = live_claim();
-        Sql {
-            table: t.to_owned(),
-            resolved: OnceLock::new(),
+        Statements {
             claim: statement(claim_sql(t, ClaimCommit::Durable)),
             claim_deferred: statement(claim_sql(t, ClaimCommit::Deferred)),
             claim_in_transaction: statement(claim_in_transaction_sql(t)),
             finish: statement(finish_sql(t)),
-            in_transaction: InTransactionSql::new(t),
+            finish_in_transaction: statement(format!(
+                "{} AND {STILL_IN_TRANSACTION}",
+                finish_sql(t)
+            )),
+            redate_done: statement(format!(
+                "UPDATE {t} SET expires_at = clock_timestamp() + $2 * interval '1 millisecond',
+    result = $3 WHERE key = $1 AND state = 'D' AND {STILL_IN_TRANSACTION}"
+            )),
             release: statement(format!(
                 "UPDATE {t} SET state = 'R', token = NULL, lease_until = NULL WHERE {live}"
             )),
@@ -793,7 +800,7 @@ fn namespace_range(namespace: Option<&str>) -> (Option<Vec<u8>>, Option<Vec<u8>>
 #[async_trait]
 impl admin::Admin for PostgresStore {
     async fn inspect(&self, key: &Key) -> Result<Option<admin::Record>, StoreError> {
-        let t = &self.sql.table;
+        let t = self.sql.named();
         let row: Option<AdminRow> = sqlx::query_as(AssertSqlSafe(format!(
             "SELECT {ADMIN_COLUMNS} FROM {t} WHERE key = $1 AND expires_at > clock_timestamp()"
         )))
@@ -813,7 +820,7 @@ impl admin::Admin for PostgresStore {
         if filter.matches_nothing() {
             return Ok(admin::Page { records: Vec::new(), next: None });
         }
-        let t = &self.sql.table;
+        let t = self.sql.named();
         let after = cursor.map(admin::unhex).transpose()?;
         let (from, to) = namespace_range(filter.namespace.as_deref());
         let limit = limit.max(1);
@@ -853,7 +860,7 @@ ORDER BY key LIMIT $5"
         expected: Option<admin::State>,
         force: bool,
     ) -> Result<admin::Released, StoreError> {
-        let t = &self.sql.table;
+        let t = self.sql.named();
         // The condition is checked by the DELETE itself, on the row's latest version
         // (a concurrent change makes PostgreSQL check it again); the read beside it
         // sees the record as it was, to say why it stayed.
@@ -919,7 +926,7 @@ FROM (SELECT) AS one LEFT JOIN {t} r ON r.key = $1"
         if filter.matches_nothing() {
             return Ok(Vec::new());
         }
-        let t = &self.sql.table;
+        let t = self.sql.named();
         let (from, to) = namespace_range(filter.namespace.as_deref());
         // The namespace is the key up to its first ':' (0x3a).
         let rows: Vec<(Vec<u8>, i8, i64)> = sqlx::query_as(AssertSqlSafe(format!(
@@ -968,16 +975,25 @@ impl Store for PostgresStore {
         result: Option<&[u8]>,
     ) -> Result<Transition, StoreError> {
         let extra = Extra::Finish { state: b'D' as i8, ttl: millis(ttl), result };
-        self.update(&mut *self.acquire().await?, &self.sql.finish, key, token, extra).await
+        self.update(&mut *self.acquire().await?, &self.sql.statements().finish, key, token, extra)
+            .await
     }
 
     async fn release(&self, key: &Key, token: Token) -> Result<Transition, StoreError> {
-        self.update(&mut *self.acquire().await?, &self.sql.release, key, token, Extra::None).await
+        self.update(
+            &mut *self.acquire().await?,
+            &self.sql.statements().release,
+            key,
+            token,
+            Extra::None,
+        )
+        .await
     }
 
     async fn fail(&self, key: &Key, token: Token, ttl: Duration) -> Result<Transition, StoreError> {
         let extra = Extra::Finish { state: b'F' as i8, ttl: millis(ttl), result: None };
-        self.update(&mut *self.acquire().await?, &self.sql.finish, key, token, extra).await
+        self.update(&mut *self.acquire().await?, &self.sql.statements().finish, key, token, extra)
+            .await
     }
 
     async fn renew(
@@ -989,7 +1005,7 @@ impl Store for PostgresStore {
     ) -> Result<Transition, StoreError> {
         let retention = millis(crate::claim_retention(lease, ttl));
         let extra = Extra::Renew { lease: millis(lease), retention };
-        self.update(self.renewal_pool(), &self.sql.renew, key, token, extra).await
+        self.update(self.renewal_pool(), &self.sql.statements().renew, key, token, extra).await
     }
 
     /// Starts the release on the current Tokio runtime and returns at once; without

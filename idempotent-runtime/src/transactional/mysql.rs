@@ -224,12 +224,15 @@ async fn still_begun(tx: &mut Transaction<'static, MySql>) -> bool {
 }
 
 /// Whether the handler's last statement was refused by a rollback of its whole
-/// transaction by the server: a deadlock (1213), or a lock-wait timeout (1205) with
-/// `innodb_rollback_on_timeout`. Its transaction is gone then, but nothing of it
-/// committed, and since that error is still the session's last, the handler ran
-/// nothing after it: the call can be retried like any rolled-back one. Read from
-/// `SHOW ERRORS`, which must be the first statement after the handler's. (A handler
-/// whose DDL had committed part of its work before the deadlock is not told apart.)
+/// transaction by the server: a deadlock (1213), or a lock-wait timeout (1205) on a
+/// server with `innodb_rollback_on_timeout` (without it, only the statement is rolled
+/// back and the transaction stands, which [`still_begun`] then tells). Its
+/// transaction is gone, but nothing of it committed, and since that error is still
+/// the session's last, the handler ran nothing after it: the call can be retried like
+/// any rolled-back one. Read from `SHOW ERRORS`, which must be the first statement
+/// after the handler's. Not told apart: a handler whose transaction had ended before
+/// (DDL, its own `COMMIT`, an earlier deadlock it caught) and whose statements after
+/// that committed one by one until one of them met the deadlock.
 async fn rolled_back_by_server(tx: &mut Transaction<'static, MySql>) -> bool {
     let Ok(errors) = sqlx::raw_sql("SHOW ERRORS").fetch_all(&mut **tx).await else {
         return false;
@@ -238,7 +241,15 @@ async fn rolled_back_by_server(tx: &mut Transaction<'static, MySql>) -> bool {
         let code = row.try_get::<u32, _>("Code");
         code.ok().or_else(|| u32::try_from(row.try_get::<i64, _>("Code").ok()?).ok())
     };
-    errors.last().and_then(code).is_some_and(|code| matches!(code, 1205 | 1213))
+    match errors.last().and_then(code) {
+        Some(1213) => true,
+        Some(1205) => {
+            let setting =
+                sqlx::query_scalar::<_, i64>("SELECT CAST(@@innodb_rollback_on_timeout AS SIGNED)");
+            setting.fetch_one(&mut **tx).await.is_ok_and(|on| on != 0)
+        }
+        _ => false,
+    }
 }
 
 fn error_number(error: &dyn sqlx::error::DatabaseError) -> Option<u16> {

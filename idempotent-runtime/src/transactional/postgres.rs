@@ -144,6 +144,10 @@ impl Completion<PostgresStore> for InTransaction<'_> {
         if begun == Begun::Unmarked && remark(&mut tx).await {
             recorded = record_done(store, &mut tx, inline, key, token, spec, result).await;
         }
+        if begun == Begun::Aborted {
+            // Its `COMMIT` would be answered as a rollback, without an error.
+            recorded = Some(Err(StoreError::unavailable(ABORTED)));
+        }
         if begun == Begun::Ended {
             rollback(tx).await;
             let inline_done = match self.inline {
@@ -249,11 +253,18 @@ enum Begun {
     /// too) ended it, and its later statements ran on their own or in a transaction
     /// of their own.
     Ended,
+    /// It stands but is aborted (a statement of it failed: the handler returned Ok
+    /// over an error it did not return): nothing of it can commit.
+    Aborted,
 }
 
+/// Why a call whose handler succeeded in an aborted transaction is not DONE.
+const ABORTED: &str = "the handler's transaction was aborted by a statement error the handler \
+    did not return (SQLSTATE 25P02 after it): nothing of it committed, so the message is \
+    retried; return the statement's error, or roll back to a savepoint of your own after it";
+
 /// Asks which [`Begun`] `tx` is. Assumed [`Begun::Marked`] when the check can't be
-/// made (the connection failed, or the transaction is aborted, as after a deadlock:
-/// nothing of it can commit then).
+/// made (the connection failed: nothing more commits on it).
 async fn still_begun(tx: &mut Transaction<'static, Postgres>) -> Begun {
     let marks = sqlx::query_as::<_, (bool, bool)>(
         "SELECT coalesce(current_setting('idempotent.transaction', true) = 'begun', false), \
@@ -264,9 +275,11 @@ async fn still_begun(tx: &mut Transaction<'static, Postgres>) -> Begun {
     .fetch_one(&mut **tx)
     .await;
     match marks {
-        Ok((true, _)) | Err(_) => Begun::Marked,
+        Ok((true, _)) => Begun::Marked,
         Ok((false, true)) => Begun::Unmarked,
         Ok((false, false)) => Begun::Ended,
+        Err(sqlx::Error::Database(e)) if e.code().as_deref() == Some("25P02") => Begun::Aborted,
+        Err(_) => Begun::Marked,
     }
 }
 
