@@ -256,6 +256,73 @@ mod mariadb {
             assert_dead_lettered(&format!("{claim:?}"), &run, 1);
         }
     }
+
+    struct Moving {
+        id: i64,
+        /// A database the handler makes its session's (`USE`) after its write.
+        uses: Option<String>,
+    }
+
+    #[idempotent(key = "{id}", namespace = "use-my", store = store, transactional)]
+    async fn moving(
+        m: Moving,
+        store: &MysqlStore,
+        ledger: &str,
+        tx: &mut Transaction<'_, MySql>,
+    ) -> Result<(), LedgerError> {
+        let insert = format!("INSERT INTO {ledger} (payment_id) VALUES (?)");
+        sqlx::query(AssertSqlSafe(insert)).bind(m.id).execute(&mut **tx).await?;
+        if let Some(database) = m.uses {
+            sqlx::raw_sql(AssertSqlSafe(format!("USE {database}"))).execute(&mut **tx).await?;
+        }
+        Ok(())
+    }
+
+    /// A handler that makes another database its session's (`USE tenant`, which the
+    /// pool keeps on the connection), where a records table of the same name exists:
+    /// later claims on that connection still go to the store's table, so a key DONE
+    /// before is a duplicate and nothing is claimed in the tenant's table.
+    #[tokio::test]
+    async fn mariadb_a_database_a_handler_left_chosen_does_not_move_later_claims() {
+        let Some(pool) = mysql::pool(2).await else { return };
+        let home: String = sqlx::query_scalar("SELECT DATABASE()").fetch_one(&pool).await.unwrap();
+        let (ledger, records, tenant) =
+            (mysql::table("ledger"), mysql::table("records"), mysql::table("tenant"));
+        let ledger = format!("{home}.{ledger}");
+        for create in [
+            format!("CREATE TABLE {ledger} (payment_id bigint NOT NULL)"),
+            format!("CREATE DATABASE {tenant}"),
+        ] {
+            sqlx::query(AssertSqlSafe(create)).execute(&pool).await.unwrap();
+        }
+        let in_tenant = format!("{tenant}.{records}");
+        MysqlStore::from_pool(pool.clone())
+            .with_table(&in_tenant)
+            .unwrap()
+            .migrate()
+            .await
+            .unwrap();
+        // One connection, so that every call reuses the one the handler moved.
+        let one = mysql::pool(1).await.unwrap();
+        let store = MysqlStore::from_pool(one).with_table(&records).unwrap();
+        store.migrate().await.unwrap();
+        // Before any statement of the store is prepared on it (a prepared statement
+        // keeps the database it was prepared in).
+        let moved = moving(Moving { id: 1, uses: Some(tenant.clone()) }, &store, &ledger).await;
+        assert!(matches!(moved, Ok(idempotent::Outcome::Processed(()))), "{moved:?}");
+        let new = moving(Moving { id: 2, uses: None }, &store, &ledger).await;
+        assert!(matches!(new, Ok(idempotent::Outcome::Processed(()))), "a new key: {new:?}");
+        let again = moving(Moving { id: 1, uses: None }, &store, &ledger).await;
+        assert!(matches!(again, Ok(idempotent::Outcome::Duplicate)), "the DONE key 1: {again:?}");
+        let stray = format!("SELECT count(*) FROM {in_tenant}");
+        let stray: i64 = sqlx::query_scalar(AssertSqlSafe(stray)).fetch_one(&pool).await.unwrap();
+        assert_eq!(stray, 0, "claims went to the tenant's table");
+        for drop in
+            [format!("DROP DATABASE {tenant}"), format!("DROP TABLE {ledger}, {home}.{records}")]
+        {
+            sqlx::query(AssertSqlSafe(drop)).execute(&pool).await.unwrap();
+        }
+    }
 }
 
 /// PostgreSQL's cases.

@@ -110,6 +110,11 @@ pub struct MysqlStore {
     /// Lease renewals' own connections, opened on first use with the pool's options.
     renewals: Arc<OnceLock<MySqlPool>>,
     sql: Arc<Sql>,
+    /// The statements naming the table in its database (`database.name`), once the
+    /// first claim asked which database an unqualified name is in (on a connection no
+    /// handler has used yet): a handler's `USE other` stays on the pooled connection
+    /// and would send later claims to another database's table of that name.
+    resolved: Arc<OnceLock<Sql>>,
     purge: Arc<PurgeSchedule>,
     /// When a call last warned that it waited for a connection of the pool.
     pool_waits: Arc<sql::Throttle>,
@@ -242,6 +247,7 @@ impl MysqlStore {
             pool,
             renewals: Arc::default(),
             sql: Arc::new(Sql::new(DEFAULT_TABLE)),
+            resolved: Arc::default(),
             purge: Arc::default(),
             pool_waits: Arc::default(),
             transactional_claim: TransactionalClaim::default(),
@@ -264,7 +270,39 @@ impl MysqlStore {
     pub fn with_table(mut self, table: &str) -> Result<MysqlStore, StoreError> {
         sql::check_table_name(table)?;
         self.sql = Arc::new(Sql::new(table));
+        self.resolved = Arc::default();
         Ok(self)
+    }
+
+    /// The statements: naming the table in its database once a claim resolved it.
+    fn statements(&self) -> &Sql {
+        self.resolved.get().unwrap_or(&self.sql)
+    }
+
+    /// Resolves an unqualified table name to `database.name`, asking `conn` once.
+    async fn resolve(&self, conn: &mut MySqlConnection) -> Result<(), StoreError> {
+        if self.resolved.get().is_some() {
+            return Ok(());
+        }
+        let qualified = match self.sql.table.contains('.') {
+            true => self.sql.table.clone(),
+            false => {
+                let database: Option<String> = sqlx::query_scalar("SELECT DATABASE()")
+                    .fetch_one(&mut *conn)
+                    .await
+                    .map_err(sql::store_error)?;
+                match database {
+                    Some(database) if !database.contains(['.', '`']) => {
+                        format!("{database}.{}", self.sql.table)
+                    }
+                    // No database chosen (the name fails as it is, with its error), or
+                    // one whose name can't be written as a plain part.
+                    _ => self.sql.table.clone(),
+                }
+            }
+        };
+        let _ = self.resolved.set(Sql::new(&qualified));
+        Ok(())
     }
 
     /// The pool, to run other queries on it.
@@ -303,7 +341,7 @@ impl MysqlStore {
 
     /// Deletes up to `batch` expired records; returns how many.
     pub async fn purge_expired(&self, batch: i64) -> Result<u64, StoreError> {
-        let done = sqlx::query(self.sql.purge.clone())
+        let done = sqlx::query(self.statements().purge.clone())
             .bind(batch)
             .execute(&self.pool)
             .await
@@ -364,6 +402,7 @@ impl MysqlStore {
         fingerprint: Option<&Fingerprint>,
     ) -> Result<Claim, StoreError> {
         self.maybe_purge();
+        self.resolve(conn).await?;
         let stored = key.stored();
         let mut values = Values {
             key: stored.as_ref(),
@@ -373,8 +412,8 @@ impl MysqlStore {
             ..Values::default()
         };
         let statement = match mode {
-            Alone => &self.sql.claim,
-            InTransaction => &self.sql.claim_done,
+            Alone => &self.statements().claim,
+            InTransaction => &self.statements().claim_done,
         };
         for _ in 0..10 {
             let token = Token::random();
@@ -434,8 +473,10 @@ impl MysqlStore {
         values: &Values<'_>,
     ) -> Result<Option<Claim>, StoreError> {
         use sqlx::Row as _;
-        let row =
-            bind(&self.sql.cached, values).fetch_optional(conn).await.map_err(sql::store_error)?;
+        let row = bind(&self.statements().cached, values)
+            .fetch_optional(conn)
+            .await
+            .map_err(sql::store_error)?;
         let Some(row) = row else { return Ok(None) };
         let result: Option<Vec<u8>> = row.try_get(0).map_err(sql::store_error)?;
         Ok(Some(result.map_or(Claim::Done, Claim::Cached)))
@@ -453,7 +494,8 @@ impl MysqlStore {
         ttl: Duration,
         result: Option<&[u8]>,
     ) -> Result<Transition, StoreError> {
-        self.complete_with(&self.sql.finish_in_transaction, conn, key, token, ttl, result).await
+        self.complete_with(&self.statements().finish_in_transaction, conn, key, token, ttl, result)
+            .await
     }
 
     /// Records DONE with `statement` through `on`.
@@ -489,7 +531,7 @@ impl MysqlStore {
         ttl: Duration,
         result: Option<&[u8]>,
     ) -> Result<Transition, StoreError> {
-        self.complete_with(&self.sql.redate, conn, key, token, ttl, result).await
+        self.complete_with(&self.statements().redate, conn, key, token, ttl, result).await
     }
 
     /// Turns the DONE record that a claim taken inside a handler's transaction wrote
@@ -509,7 +551,7 @@ impl MysqlStore {
             ttl: micros(ttl),
             ..Values::default()
         };
-        let done = self.update(&self.pool, &self.sql.fail_done, &values).await?;
+        let done = self.update(&self.pool, &self.statements().fail_done, &values).await?;
         Ok(done == Transition::Applied)
     }
 
@@ -872,7 +914,7 @@ fn admin_conditions(filter: &admin::Filter, after: Option<Vec<u8>>) -> (String, 
 #[async_trait]
 impl admin::Admin for MysqlStore {
     async fn inspect(&self, key: &Key) -> Result<Option<admin::Record>, StoreError> {
-        let t = &self.sql.quoted;
+        let t = &self.statements().quoted;
         let columns = admin_columns();
         let row: Option<AdminRow> = sqlx::query_as(AssertSqlSafe(format!(
             "SELECT {columns} FROM {t} WHERE `key` = ? AND expires_at > {NOW}"
@@ -893,7 +935,7 @@ impl admin::Admin for MysqlStore {
         if filter.matches_nothing() {
             return Ok(admin::Page { records: Vec::new(), next: None });
         }
-        let t = &self.sql.quoted;
+        let t = &self.statements().quoted;
         let after = cursor.map(admin::unhex).transpose()?;
         let limit = limit.max(1);
         let (conditions, values) = admin_conditions(filter, after);
@@ -934,7 +976,7 @@ impl admin::Admin for MysqlStore {
         expected: Option<admin::State>,
         force: bool,
     ) -> Result<admin::Released, StoreError> {
-        let t = &self.sql.quoted;
+        let t = &self.statements().quoted;
         let mut may_go = if force {
             String::new()
         } else {
@@ -1017,7 +1059,7 @@ FROM {t} WHERE `key` = ? AND expires_at > {NOW}"
         if filter.matches_nothing() {
             return Ok(Vec::new());
         }
-        let t = &self.sql.quoted;
+        let t = &self.statements().quoted;
         let (conditions, values) = admin_conditions(filter, None);
         // The namespace is the key up to its first ':' (X'3a', a binary string, so the
         // key is cut byte by byte); all of it when it has none, as `Record::split` does.
@@ -1062,7 +1104,7 @@ impl Store for MysqlStore {
         result: Option<&[u8]>,
     ) -> Result<Transition, StoreError> {
         let conn = &mut *self.acquire().await?;
-        self.complete_with(&self.sql.finish, conn, key, token, ttl, result).await
+        self.complete_with(&self.statements().finish, conn, key, token, ttl, result).await
     }
 
     async fn release(&self, key: &Key, token: Token) -> Result<Transition, StoreError> {
@@ -1072,7 +1114,7 @@ impl Store for MysqlStore {
             token: token.as_u128().to_be_bytes(),
             ..Values::default()
         };
-        self.update(&mut *self.acquire().await?, &self.sql.release, &values).await
+        self.update(&mut *self.acquire().await?, &self.statements().release, &values).await
     }
 
     async fn fail(&self, key: &Key, token: Token, ttl: Duration) -> Result<Transition, StoreError> {
@@ -1084,7 +1126,7 @@ impl Store for MysqlStore {
             ttl: micros(ttl),
             ..Values::default()
         };
-        self.update(&mut *self.acquire().await?, &self.sql.finish, &values).await
+        self.update(&mut *self.acquire().await?, &self.statements().finish, &values).await
     }
 
     async fn renew(
@@ -1102,7 +1144,7 @@ impl Store for MysqlStore {
             retention: micros(crate::claim_retention(lease, ttl)),
             ..Values::default()
         };
-        self.update(self.renewal_pool(), &self.sql.renew, &values).await
+        self.update(self.renewal_pool(), &self.statements().renew, &values).await
     }
 
     /// Starts the release on the current Tokio runtime and returns at once; without
