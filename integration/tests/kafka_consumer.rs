@@ -930,3 +930,117 @@ fn a_graceful_stop_finishes_the_calls_in_flight_and_doubles_nothing() {
         assert!(twice.is_empty(), "effects doubled: {twice:?} (first member handled {by_first})");
     });
 }
+
+async fn produce_keyed(producer: &FutureProducer, topic: &str, key: &str, body: &str) {
+    let record = FutureRecord::to(topic).partition(0).key(key).payload(body);
+    producer.send(record, Duration::from_secs(10)).await.map_err(|(e, _)| e).unwrap();
+}
+
+/// A stop while a record waits behind a slow one of its key: it is in hand, so it is
+/// finished and settled too (left unsettled, it would keep the commit below the
+/// records of other keys settled after it, and the next member would run those
+/// again). Each effect once.
+#[test]
+fn a_graceful_stop_finishes_what_waits_behind_a_record_of_its_key() {
+    use std::sync::Mutex;
+    let Some(broker) = Broker::start() else { return };
+    block_on(async {
+        let topic = testing::fresh_key("kafka-stop-lane").namespace().to_owned();
+        let (dead, group) = (format!("{topic}.dead"), format!("{topic}-group"));
+        broker.create_topics(&[(&topic, 1), (&dead, 1)]).await;
+        let producer: FutureProducer = broker.config().create().unwrap();
+        for (key, body) in [("a", "0"), ("a", "1"), ("b", "2"), ("c", "3")] {
+            produce_keyed(&producer, &topic, key, body).await;
+        }
+        let effects = Mutex::new(HashMap::<String, u32>::new());
+        let handler = |m: KafkaMessage| {
+            let effects = &effects;
+            async move {
+                let pause = if body(&m) == "0" { 1500 } else { 20 };
+                tokio::time::sleep(Duration::from_millis(pause)).await;
+                *effects.lock().unwrap().entry(body(&m)).or_default() += 1;
+                ok()
+            }
+        };
+        {
+            let first = KafkaConsumer::new(broker.member(&group, &topic), producer.clone(), &dead)
+                .concurrency(4);
+            let shutdown = async {
+                while effects.lock().unwrap().len() < 2 {
+                    tokio::time::sleep(Duration::from_millis(10)).await;
+                }
+            };
+            first.run_until(handler, shutdown).await.unwrap();
+        }
+        let (committed, end) = kafka::committed_and_end(&broker.address, &group, &topic, 1);
+        assert_eq!(committed, end, "what the stopped member had in hand was not all committed");
+        let second = KafkaConsumer::new(broker.member(&group, &topic), producer, dead);
+        let _ = tokio::time::timeout(Duration::from_secs(8), second.run(handler)).await;
+        let effects = effects.lock().unwrap().clone();
+        assert_eq!(effects.len(), 4, "lost: {effects:?}");
+        assert!(effects.values().all(|&n| n == 1), "effects doubled: {effects:?}");
+    });
+}
+
+/// A `run_until` that does not end by itself after its shutdown (dropped during the
+/// grace, or unwound by a handler's panic) leaves the consumer as a dropped `run`
+/// does: run again, it hands out the records let go at the stop and commits to the
+/// end.
+#[test]
+fn a_run_until_dropped_or_unwound_during_its_stop_leaves_the_consumer_whole() {
+    use futures_util::FutureExt as _;
+    use std::sync::Mutex;
+    use std::sync::atomic::{AtomicBool, Ordering};
+    let Some(broker) = Broker::start() else { return };
+    block_on(async {
+        for panics in [false, true] {
+            let topic = testing::fresh_key("kafka-stop-drop").namespace().to_owned();
+            let (dead, group) = (format!("{topic}.dead"), format!("{topic}-group"));
+            broker.create_topics(&[(&topic, 1), (&dead, 1)]).await;
+            let producer: FutureProducer = broker.config().create().unwrap();
+            for i in 0..10 {
+                produce(&producer, &topic, 0, &i.to_string()).await;
+            }
+            let effects = Mutex::new(HashMap::<String, u32>::new());
+            let (stuck, begun) = (AtomicBool::new(true), AtomicBool::new(false));
+            let handler = |m: KafkaMessage| {
+                let (effects, stuck, begun) = (&effects, &stuck, &begun);
+                async move {
+                    begun.store(true, Ordering::SeqCst);
+                    if body(&m) == "0" && stuck.load(Ordering::SeqCst) {
+                        tokio::time::sleep(Duration::from_millis(1000)).await;
+                        if panics {
+                            panic!("the handler panics while the consumer stops");
+                        }
+                        tokio::time::sleep(Duration::from_secs(60)).await;
+                    }
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                    *effects.lock().unwrap().entry(body(&m)).or_default() += 1;
+                    ok()
+                }
+            };
+            let consumer =
+                KafkaConsumer::new(broker.member(&group, &topic), producer.clone(), &dead)
+                    .concurrency(4)
+                    .shutdown_grace(Duration::from_secs(30));
+            let shutdown = async {
+                while !begun.load(Ordering::SeqCst) {
+                    tokio::time::sleep(Duration::from_millis(10)).await;
+                }
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            };
+            let stopping = std::panic::AssertUnwindSafe(tokio::time::timeout(
+                Duration::from_secs(5),
+                consumer.run_until(handler, shutdown),
+            ));
+            let ended = stopping.catch_unwind().await;
+            assert!(if panics { ended.is_err() } else { matches!(ended, Ok(Err(_))) });
+            stuck.store(false, Ordering::SeqCst);
+            let _ = tokio::time::timeout(Duration::from_secs(8), consumer.run(handler)).await;
+            let effects = effects.lock().unwrap().clone();
+            let (committed, end) = kafka::committed_and_end(&broker.address, &group, &topic, 1);
+            assert_eq!(effects.len(), 10, "panics {panics}: not handed out again: {effects:?}");
+            assert_eq!(committed, end, "panics {panics}: the commit stuck");
+        }
+    });
+}

@@ -568,3 +568,23 @@ async fn a_graceful_stop_finishes_the_calls_in_flight_and_doubles_nothing() {
     let delete = lapin::options::QueueDeleteOptions::default();
     channel.queue_delete(queue.as_str().into(), delete).await.unwrap();
 }
+
+/// After a graceful stop the consumer is cancelled: `run` and `run_until` on it
+/// answer `Ok` at once (the broker sends it nothing more) instead of waiting for
+/// deliveries that never come.
+#[tokio::test]
+async fn a_stopped_consumer_answers_at_once_when_run_again() {
+    let Some((_connection, channel)) = open().await else { return };
+    let queue = testing::fresh_key("rabbit-stopped").namespace().to_owned();
+    let kept = QueueDeclareOptions::default();
+    channel.queue_declare(queue.as_str().into(), kept, FieldTable::default()).await.unwrap();
+    plain_queue(&channel, &format!("{queue}.dead")).await;
+    let (_c, consumer_channel) = open().await.unwrap();
+    let consumer = RabbitConsumer::new(&consumer_channel, &queue, "c").await.unwrap();
+    let handler = |_: RabbitMessage| async { Settled::Ok(Outcome::Processed(())) };
+    consumer.run_until(handler, async {}).await.unwrap();
+    let again = tokio::time::timeout(Duration::from_secs(2), consumer.run(handler)).await;
+    assert!(matches!(again, Ok(Ok(()))), "run after the stop: {again:?}");
+    let delete = lapin::options::QueueDeleteOptions::default();
+    channel.queue_delete(queue.as_str().into(), delete).await.unwrap();
+}

@@ -42,11 +42,13 @@ use crate::{Disposition, DispositionExt};
 /// deliveries not yet started, unsettled (the broker hands them out again after the
 /// retried one). Deliveries of no lane (`None`) run as they come.
 ///
-/// When `stop` resolves (a graceful shutdown), it takes no more deliveries, lets the
-/// calls in flight return and settles them, drops the deliveries not started or
-/// waiting for a second call, unsettled, and answers `Ok`; calls still running
-/// `stop.grace` after the stop are dropped then (their claims released, as when the
-/// returned future is dropped).
+/// When `stop` resolves (a graceful shutdown), it takes no more deliveries and
+/// finishes those in hand as it would have (the calls in flight, the deliveries
+/// queued behind them in their lanes, those waiting for a second call), settles them,
+/// and answers `Ok`: a delivery in hand left unsettled would keep a Kafka commit below
+/// the records settled after it, which the next owner would then run again. What is
+/// still running or waiting `stop.grace` after the stop is dropped then (claims
+/// released, deliveries unsettled, as when the returned future is dropped).
 ///
 /// `meter` counts the deliveries taken, settled and let go.
 #[allow(clippy::too_many_arguments)]
@@ -116,7 +118,7 @@ where
                 index += 1;
             }
         }
-        if failed.is_some() || stopped.is_some() {
+        if failed.is_some() {
             meter.let_go(waiting.len() + queued);
             waiting.clear();
             lanes.values_mut().for_each(VecDeque::clear);
@@ -127,12 +129,12 @@ where
             return failed.map_or(Ok(()), Err);
         }
         if stopped.is_some_and(|at| at <= now) {
-            meter.let_go(work.len());
+            meter.let_go(work.len() + waiting.len() + queued);
             tracing::warn!(
-                calls = work.len(),
+                calls = work.len() + waiting.len() + queued,
                 grace = ?stop.grace,
-                "calls still running when the shutdown's grace period ended were dropped: \
-                 their claims are released and their deliveries come again"
+                "deliveries still in hand when the shutdown's grace period ended were dropped: \
+                 the claims of their calls are released and the deliveries come again"
             );
             return failed.map_or(Ok(()), Err);
         }
@@ -168,8 +170,7 @@ where
             Some(step) = work.next(), if !work.is_empty() => match step {
                 Step::Called { seq, delivery, answer, again } => {
                     calls.running.remove(&seq);
-                    let going_on = failed.is_none() && stopped.is_none();
-                    if answer.in_progress && !again && concurrency > 1 && going_on {
+                    if answer.in_progress && !again && concurrency > 1 && failed.is_none() {
                         let until = deadline_after(patience);
                         waiting.push(Waiting { after: calls.started, until, first: answer, delivery });
                     } else {
@@ -190,8 +191,7 @@ where
                         }
                     }
                     if let Some(Entry::Occupied(mut behind)) = lane.map(|l| lanes.entry(l)) {
-                        if disposition == Disposition::Retry || failed.is_some() || stopped.is_some()
-                        {
+                        if disposition == Disposition::Retry || failed.is_some() {
                             meter.let_go(behind.get().len());
                             queued -= behind.get().len();
                             behind.get_mut().clear();

@@ -220,8 +220,8 @@ impl NatsConsumer {
     }
 
     /// As [`run`](NatsConsumer::run), until `shutdown` resolves (a signal, a deploy's
-    /// stop): then no more messages are pulled, the calls in flight finish and are
-    /// settled, and `run_until` answers `Ok`. Messages pulled but not started are left
+    /// stop): then no more messages are taken, those in hand finish and are settled,
+    /// and `run_until` answers `Ok`. Messages pulled but not started are left
     /// unacked: the server redelivers them after `ack_wait` (to another consumer of
     /// the group). Calls still running
     /// [`shutdown_grace`](NatsConsumer::shutdown_grace) after the shutdown are dropped

@@ -145,6 +145,9 @@ pub struct RabbitConsumer {
     retry_delay: std::time::Duration,
     concurrency: usize,
     grace: std::time::Duration,
+    /// Set once [`run_until`](RabbitConsumer::run_until)'s shutdown cancelled the
+    /// consumer: the broker sends it nothing more.
+    cancelled: std::sync::atomic::AtomicBool,
 }
 
 impl RabbitConsumer {
@@ -177,6 +180,7 @@ impl RabbitConsumer {
             retry_delay: std::time::Duration::from_secs(1),
             concurrency: DEFAULT_CONCURRENCY,
             grace: DEFAULT_GRACE,
+            cancelled: std::sync::atomic::AtomicBool::new(false),
         })
     }
 
@@ -220,11 +224,20 @@ impl RabbitConsumer {
     }
 
     /// As [`run`](RabbitConsumer::run), until `shutdown` resolves (a signal, a
-    /// deploy's stop): then the consumer is cancelled (`basic.cancel`: the broker sends
-    /// no more), the calls in flight finish and are settled, the deliveries the channel
-    /// had prefetched are requeued at once, and `run_until` answers `Ok`. Calls still
-    /// running [`shutdown_grace`](RabbitConsumer::shutdown_grace) after the shutdown
-    /// are dropped then (their claims released, their deliveries requeued).
+    /// deploy's stop): then no more deliveries are taken, those in hand finish and are
+    /// settled, the consumer is cancelled (`basic.cancel`: the broker sends no more),
+    /// the deliveries the channel had prefetched are requeued at once, and `run_until`
+    /// answers `Ok`. Deliveries still in hand
+    /// [`shutdown_grace`](RabbitConsumer::shutdown_grace) after the shutdown are
+    /// dropped then (their claims released, their deliveries requeued). The consumer
+    /// is done then: `run` and `run_until` answer `Ok` at once; make a new one to
+    /// consume again.
+    ///
+    /// The cancel deletes an `auto_delete` queue (its last consumer gone), with the
+    /// messages it holds, as closing the channel would. The requeue counts as a
+    /// delivery on quorum queues (`x-delivery-count`), so each stop uses one attempt
+    /// of up to prefetch − concurrency messages: a prefetch equal to `concurrency`
+    /// keeps the count exact.
     ///
     /// ```no_run
     /// # use idempotent_runtime::consume::rabbitmq::{RabbitConsumer, RabbitMessage};
@@ -243,6 +256,9 @@ impl RabbitConsumer {
         Fut: Future<Output = R>,
         R: DispositionExt,
     {
+        if self.cancelled.load(std::sync::atomic::Ordering::SeqCst) {
+            return Ok(());
+        }
         let deliveries = self.consumer.clone().map(|delivery| delivery.map(Held::new));
         let meter = ConsumerMeter::new("rabbitmq", &self.queue);
         let (stopped_tx, stopped) = tokio::sync::oneshot::channel::<()>();
@@ -282,6 +298,7 @@ impl RabbitConsumer {
     /// requeues the deliveries it had sent before the cancel (up to the prefetch),
     /// which would otherwise stay unacked until the channel closes.
     async fn requeue_prefetched(&self, meter: &ConsumerMeter) {
+        self.cancelled.store(true, std::sync::atomic::Ordering::SeqCst);
         let cancel = self.channel.basic_cancel(self.consumer.tag(), Default::default()).await;
         if let Err(error) = cancel {
             tracing::warn!(%error, "cancelling the consumer at shutdown failed");

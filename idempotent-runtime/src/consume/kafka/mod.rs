@@ -579,10 +579,11 @@ impl KafkaConsumer {
     }
 
     /// As [`run`](KafkaConsumer::run), until `shutdown` resolves (a signal, a deploy's
-    /// stop): then no more records are taken, the calls in flight finish and are
-    /// settled, the offsets settled are committed, and `run_until` answers `Ok`.
-    /// Records fetched but not started are not committed: the partition's next owner
-    /// reads them. Calls still running
+    /// stop): then no more records are taken, the records in hand (in flight, queued
+    /// behind a record of their key, waiting for a second call) finish and are
+    /// settled, the offsets settled are committed and the broker's answer awaited, and
+    /// `run_until` answers `Ok`. Records fetched but not taken are not committed: the
+    /// partition's next owner reads them; the same consumer can run again. Calls still running
     /// [`shutdown_grace`](KafkaConsumer::shutdown_grace) after the shutdown are dropped
     /// then (their claims released, their records read again). Drop the consumer
     /// afterwards to leave the group at once rather than after its session timeout.
@@ -597,6 +598,10 @@ impl KafkaConsumer {
         R: DispositionExt,
     {
         refuse_auto_commit(&self.consumer)?;
+        // Dropped after the flush below (locals drop in reverse): however this future
+        // ends (returned, dropped during the grace, unwound by a handler's panic), the
+        // records let go while stopping are rewound once their commit is made.
+        let _rewind_at_exit = RewindLetGo(self);
         let _flush_at_exit = FlushOnDrop(self);
         let meter = self.meter();
         let deliveries = futures_util::stream::unfold((), move |()| async move {
@@ -658,12 +663,7 @@ impl KafkaConsumer {
             // Stopped: the settled offsets reach the broker before the caller drops the
             // consumer and leaves the group, so the next owner starts after them; then
             // the records let go are rewound, for a consumer that runs again.
-            let committed = self.flush_with(CommitMode::Sync);
-            let left = lock(&self.stopping).take().unwrap_or_default();
-            for (topic, partition, offset, epoch) in left {
-                self.rewind(&topic, partition, offset, epoch, Instant::now())?;
-            }
-            committed?;
+            self.flush_with(CommitMode::Sync)?;
         }
         ran
     }
@@ -1023,6 +1023,21 @@ impl Drop for Held<'_> {
 /// `mutex`'s value, poisoned or not (what it guards is whole between statements).
 fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     mutex.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+/// Rewinds the records let go while [`KafkaConsumer::run_until`] stopped, and ends
+/// the stop, when `run_until` ends or is dropped.
+struct RewindLetGo<'a>(&'a KafkaConsumer);
+
+impl Drop for RewindLetGo<'_> {
+    fn drop(&mut self) {
+        let left = lock(&self.0.stopping).take().unwrap_or_default();
+        for (topic, partition, offset, epoch) in left {
+            if let Err(error) = self.0.rewind(&topic, partition, offset, epoch, Instant::now()) {
+                tracing::warn!(%error, "rewinding a record let go at shutdown failed");
+            }
+        }
+    }
 }
 
 /// Commits what the settled records reached when [`KafkaConsumer::run`] ends or is
