@@ -169,7 +169,7 @@ pub struct KafkaConsumer {
     /// are committed. A rewind would drop the settles of the records in flight beside
     /// them from the commit (the partition reads those again), so a graceful stop
     /// would hand its last records to the next owner to run again.
-    stopping: Mutex<Option<Vec<(String, i32, i64, u64)>>>,
+    stopping: Mutex<Option<Vec<LetGo>>>,
     /// Told of each rewind, so that a receive already waiting for a record works out
     /// again when the paused partition is due to resume.
     rewound: tokio::sync::Notify,
@@ -1024,6 +1024,10 @@ impl Drop for Held<'_> {
 fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     mutex.lock().unwrap_or_else(PoisonError::into_inner)
 }
+
+/// A record let go while [`KafkaConsumer::run_until`] stopped: topic, partition,
+/// offset and the partition's assignment then.
+type LetGo = (String, i32, i64, u64);
 
 /// Rewinds the records let go while [`KafkaConsumer::run_until`] stopped, and ends
 /// the stop, when `run_until` ends or is dropped.
