@@ -241,7 +241,10 @@ impl RabbitConsumer {
     ///
     /// ```no_run
     /// # use idempotent_runtime::consume::rabbitmq::{RabbitConsumer, RabbitMessage};
-    /// # async fn handle(_: RabbitMessage) -> Result<(), std::convert::Infallible> { Ok(()) }
+    /// # use idempotent_runtime::{Error, Outcome};
+    /// # async fn handle(_: RabbitMessage) -> Result<Outcome<()>, Error<std::io::Error>> {
+    /// #     Ok(Outcome::Processed(()))
+    /// # }
     /// # async fn demo(consumer: RabbitConsumer) -> lapin::Result<()> {
     /// consumer.run_until(handle, async { tokio::signal::ctrl_c().await.ok(); }).await?;
     /// # Ok(()) }
