@@ -17,6 +17,8 @@ use rdkafka::message::{Header, Headers, Message, OwnedHeaders};
 use rdkafka::producer::{BaseProducer, FutureProducer, FutureRecord, Producer};
 use std::ffi::CString;
 
+#[path = "support/effects.rs"]
+mod effects;
 #[path = "support/kafka.rs"]
 mod kafka;
 
@@ -865,7 +867,6 @@ fn a_consumer_that_commits_by_itself_is_refused_before_taking_a_record() {
 /// handler, which is not idempotent itself) happens once.
 #[test]
 fn a_graceful_stop_finishes_the_calls_in_flight_and_doubles_nothing() {
-    use std::sync::Mutex;
     let Some(broker) = Broker::start() else { return };
     block_on(async {
         let topic = testing::fresh_key("kafka-stop").namespace().to_owned();
@@ -875,58 +876,32 @@ fn a_graceful_stop_finishes_the_calls_in_flight_and_doubles_nothing() {
         for i in 0..30 {
             produce(&producer, &topic, i % 2, &i.to_string()).await;
         }
-        let effects = Mutex::new(HashMap::<String, u32>::new());
-        let (begun, ended) = (Mutex::new(0), Mutex::new(0));
+        let effects = effects::Effects::default();
         let handler = |m: KafkaMessage| {
-            let (effects, begun, ended) = (&effects, &begun, &ended);
+            let effects = &effects;
             async move {
-                *begun.lock().unwrap() += 1;
-                tokio::time::sleep(Duration::from_millis(300)).await;
-                *effects.lock().unwrap().entry(body(&m)).or_default() += 1;
-                *ended.lock().unwrap() += 1;
+                effects.take(body(&m), Duration::from_millis(300)).await;
                 ok()
             }
         };
         let by_first = {
             let first = KafkaConsumer::new(broker.member(&group, &topic), producer.clone(), &dead)
                 .concurrency(4);
-            let shutdown = async {
-                while *ended.lock().unwrap() < 6 {
-                    tokio::time::sleep(Duration::from_millis(10)).await;
-                }
-            };
-            let stopped =
-                tokio::time::timeout(Duration::from_secs(30), first.run_until(handler, shutdown));
+            let stopped = first.run_until(handler, effects.ended(6));
+            let stopped = tokio::time::timeout(Duration::from_secs(30), stopped);
             stopped.await.expect("run_until did not return after the shutdown").unwrap();
-            assert_eq!(
-                *begun.lock().unwrap(),
-                *ended.lock().unwrap(),
-                "calls were cut off halfway"
-            );
-            *ended.lock().unwrap()
+            effects.every_call_finished()
         };
         assert!(by_first < 30, "the stop took no effect");
         let second = KafkaConsumer::new(broker.member(&group, &topic), producer, dead);
-        let all = async {
-            while effects.lock().unwrap().len() < 30 {
-                tokio::time::sleep(Duration::from_millis(20)).await;
-            }
-            tokio::time::sleep(Duration::from_millis(500)).await;
-        };
         tokio::select! {
-            () = all => {}
+            () = effects.all(30, Duration::from_millis(500)) => {}
             ended = second.run(handler) => panic!("run ended: {ended:?}"),
             () = tokio::time::sleep(Duration::from_secs(30)) => {
-                panic!("only {} of 30 came to the second member", effects.lock().unwrap().len())
+                panic!("only {} of 30 came to the second member", effects.messages())
             }
         }
-        let twice: Vec<_> = effects
-            .lock()
-            .unwrap()
-            .iter()
-            .filter(|(_, n)| **n > 1)
-            .map(|(m, _)| m.clone())
-            .collect();
+        let twice = effects.doubled();
         assert!(twice.is_empty(), "effects doubled: {twice:?} (first member handled {by_first})");
     });
 }

@@ -380,6 +380,8 @@ async fn retries_wait_by_the_backoff_without_holding_up_the_rest() {
 
 #[path = "support/backoff.rs"]
 mod backoff;
+#[path = "support/effects.rs"]
+mod effects;
 
 /// A graceful stop mid-stream, as a deploy does: the calls in flight finish and are
 /// acked, nothing more is started, and a second consumer handles the rest (what the
@@ -394,46 +396,32 @@ async fn a_graceful_stop_finishes_the_calls_in_flight_and_doubles_nothing() {
     };
     let Some(setup) = Setup::new(config).await else { return };
     setup.publish(30).await;
-    let effects = Mutex::new(HashMap::<Vec<u8>, u32>::new());
-    let (begun, ended) = (Mutex::new(0), Mutex::new(0));
+    let effects = effects::Effects::default();
     let handler = |m: NatsMessage| {
-        let (effects, begun, ended) = (&effects, &begun, &ended);
+        let effects = &effects;
         async move {
-            *begun.lock().unwrap() += 1;
-            tokio::time::sleep(Duration::from_millis(300)).await;
-            *effects.lock().unwrap().entry(m.payload.to_vec()).or_default() += 1;
-            *ended.lock().unwrap() += 1;
+            let message = String::from_utf8(m.payload.to_vec()).unwrap();
+            effects.take(message, Duration::from_millis(300)).await;
             Settled::Ok(Outcome::Processed(()))
         }
     };
     let first = setup.consumer().await.concurrency(4);
-    let shutdown = async {
-        while *ended.lock().unwrap() < 6 {
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
-    };
-    let stopped = tokio::time::timeout(Duration::from_secs(20), first.run_until(handler, shutdown));
+    let stopped = first.run_until(handler, effects.ended(6));
+    let stopped = tokio::time::timeout(Duration::from_secs(20), stopped);
     stopped.await.expect("run_until did not return after the shutdown").unwrap();
-    assert_eq!(*begun.lock().unwrap(), *ended.lock().unwrap(), "calls were cut off halfway");
-    let by_first = *ended.lock().unwrap();
+    let by_first = effects.every_call_finished();
     assert!(by_first < 30, "the stop took no effect");
 
     let second = setup.consumer().await;
-    let all = async {
-        while effects.lock().unwrap().len() < 30 {
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
-        // Anything redelivered twice would show up by now (past one `ack_wait`).
-        tokio::time::sleep(Duration::from_millis(2500)).await;
-    };
     tokio::select! {
-        () = all => {}
+        // Anything redelivered twice would show up by then (past one `ack_wait`).
+        () = effects.all(30, Duration::from_millis(2500)) => {}
         ended = second.run(handler) => panic!("run ended: {ended:?}"),
         () = tokio::time::sleep(Duration::from_secs(20)) => {
-            panic!("only {} of 30 came to the second consumer", effects.lock().unwrap().len())
+            panic!("only {} of 30 came to the second consumer", effects.messages())
         }
     }
-    let twice = effects.lock().unwrap().values().filter(|n| **n > 1).count();
-    assert_eq!(twice, 0, "effects doubled (first consumer handled {by_first})");
+    let twice = effects.doubled();
+    assert!(twice.is_empty(), "effects doubled: {twice:?} (first consumer handled {by_first})");
     setup.delete().await;
 }

@@ -501,6 +501,8 @@ async fn retries_wait_by_the_backoff_without_holding_up_the_rest() {
 
 #[path = "support/backoff.rs"]
 mod backoff;
+#[path = "support/effects.rs"]
+mod effects;
 
 /// A graceful stop mid-stream, as a deploy does: the calls in flight finish and are
 /// acked, nothing more is started, the deliveries the channel had prefetched are
@@ -509,8 +511,6 @@ mod backoff;
 /// effect (counted by its handler, which is not idempotent itself) happens once.
 #[tokio::test]
 async fn a_graceful_stop_finishes_the_calls_in_flight_and_doubles_nothing() {
-    use std::collections::HashMap;
-    use std::sync::Mutex;
     let Some((_connection, channel)) = open().await else { return };
     let queue = testing::fresh_key("rabbit-stop").namespace().to_owned();
     // Not auto-deleted: the first consumer's cancel would delete it, messages and all.
@@ -520,50 +520,33 @@ async fn a_graceful_stop_finishes_the_calls_in_flight_and_doubles_nothing() {
     for i in 0..30 {
         publish(&channel, &queue, &format!("m{i}")).await;
     }
-    let effects = Mutex::new(HashMap::<String, u32>::new());
-    let (begun, ended) = (Mutex::new(0), Mutex::new(0));
+    let effects = effects::Effects::default();
     let handler = |m: RabbitMessage| {
-        let (effects, begun, ended) = (&effects, &begun, &ended);
+        let effects = &effects;
         async move {
-            *begun.lock().unwrap() += 1;
-            tokio::time::sleep(Duration::from_millis(300)).await;
-            *effects.lock().unwrap().entry(String::from_utf8(m.body).unwrap()).or_default() += 1;
-            *ended.lock().unwrap() += 1;
+            effects.take(String::from_utf8(m.body).unwrap(), Duration::from_millis(300)).await;
             Settled::Ok(Outcome::Processed(()))
         }
     };
     let (_c, first_channel) = open().await.unwrap();
     first_channel.basic_qos(10, BasicQosOptions::default()).await.unwrap();
     let first = RabbitConsumer::new(&first_channel, &queue, "first").await.unwrap().concurrency(4);
-    let shutdown = async {
-        while *ended.lock().unwrap() < 6 {
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
-    };
-    let stopped = tokio::time::timeout(Duration::from_secs(20), first.run_until(handler, shutdown));
+    let stopped = first.run_until(handler, effects.ended(6));
+    let stopped = tokio::time::timeout(Duration::from_secs(20), stopped);
     stopped.await.expect("run_until did not return after the shutdown").unwrap();
-    assert_eq!(*begun.lock().unwrap(), *ended.lock().unwrap(), "calls were cut off halfway");
-    let by_first = *ended.lock().unwrap();
+    let by_first = effects.every_call_finished();
     assert!(by_first < 30, "the stop took no effect");
 
     let (_c2, second_channel) = open().await.unwrap();
     let second = RabbitConsumer::new(&second_channel, &queue, "second").await.unwrap();
-    let all = async {
-        while effects.lock().unwrap().len() < 30 {
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
-        // Anything redelivered twice would show up by now.
-        tokio::time::sleep(Duration::from_millis(500)).await;
-    };
     tokio::select! {
-        () = all => {}
+        () = effects.all(30, Duration::from_millis(500)) => {}
         ended = second.run(handler) => panic!("run ended: {ended:?}"),
         () = tokio::time::sleep(Duration::from_secs(15)) => {
-            panic!("only {} of 30 came to the second consumer", effects.lock().unwrap().len())
+            panic!("only {} of 30 came to the second consumer", effects.messages())
         }
     }
-    let twice: Vec<_> =
-        effects.lock().unwrap().iter().filter(|(_, n)| **n > 1).map(|(m, _)| m.clone()).collect();
+    let twice = effects.doubled();
     assert!(twice.is_empty(), "effects doubled: {twice:?} (first consumer handled {by_first})");
     let delete = lapin::options::QueueDeleteOptions::default();
     channel.queue_delete(queue.as_str().into(), delete).await.unwrap();

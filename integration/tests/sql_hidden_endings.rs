@@ -12,25 +12,25 @@ mod mysql;
 #[path = "support/postgres.rs"]
 mod postgres;
 
+#[derive(Debug, thiserror::Error, idempotent::Classify)]
+enum LedgerError {
+    #[error("database: {0}")]
+    #[idempotent(transparent)]
+    Db(#[from] sqlx::Error),
+    #[error("the payment provider timed out")]
+    #[idempotent(retryable)]
+    Timeout,
+}
+
 /// MariaDB's cases.
 mod mariadb {
     use std::time::Duration;
 
-    use super::mysql;
+    use super::{LedgerError, mysql};
 
     use idempotent::mysql_store::TransactionalClaim;
-    use idempotent::{Classify, MysqlStore, idempotent};
+    use idempotent::{MysqlStore, idempotent};
     use sqlx::{AssertSqlSafe, MySql, Transaction};
-
-    #[derive(Debug, thiserror::Error, Classify)]
-    enum LedgerError {
-        #[error("database: {0}")]
-        #[idempotent(transparent)]
-        Db(#[from] sqlx::Error),
-        #[error("the payment provider timed out")]
-        #[idempotent(retryable)]
-        Timeout,
-    }
 
     #[derive(Clone, Debug)]
     enum Step {
@@ -327,21 +327,11 @@ mod mariadb {
 
 /// PostgreSQL's cases.
 mod postgresql {
-    use super::postgres;
+    use super::{LedgerError, postgres};
 
     use idempotent::mysql_store::TransactionalClaim;
-    use idempotent::{Classify, PostgresStore, idempotent};
+    use idempotent::{PostgresStore, idempotent};
     use sqlx::{AssertSqlSafe, Postgres, Transaction};
-
-    #[derive(Debug, thiserror::Error, Classify)]
-    enum LedgerError {
-        #[error("database: {0}")]
-        #[idempotent(transparent)]
-        Db(#[from] sqlx::Error),
-        #[error("the payment provider timed out")]
-        #[idempotent(retryable)]
-        Timeout,
-    }
 
     #[derive(Clone, Debug)]
     enum Step {
