@@ -449,3 +449,47 @@ fn a_failed_settle_still_delays_the_batch_retries() {
         delete(&mut conn, &[&stream, &dead]).await;
     });
 }
+
+#[path = "support/effects.rs"]
+mod effects;
+
+/// A graceful stop mid-stream, as a deploy does: the poll under way finishes (its
+/// calls return and its entries are acked), no other poll starts, and a second
+/// consumer of the group handles the rest. Each entry's effect (counted by its
+/// handler, which is not idempotent itself) happens once, and nothing is left pending.
+#[test]
+fn a_graceful_stop_finishes_the_poll_under_way_and_doubles_nothing() {
+    block_on(async {
+        let Some((stream, mut conn, client)) = stream().await else { return };
+        publish(&mut conn, &stream, 30).await;
+        let effects = effects::Effects::default();
+        let handler = |m: StreamMessage| {
+            let effects = &effects;
+            async move {
+                let entry = String::from_utf8(m.body().to_vec()).unwrap();
+                effects.take(entry, Duration::from_millis(300)).await;
+                Settled::Ok(Outcome::Processed(()))
+            }
+        };
+        let first = StreamConsumer::new(&client, &stream, "g", "first")
+            .await
+            .unwrap()
+            .batch(8)
+            .concurrency(4);
+        let stopped = first.run_until(handler, effects.ended(2));
+        tokio::time::timeout(Duration::from_secs(20), stopped).await.unwrap().unwrap();
+        let by_first = effects.every_call_finished();
+        assert!((2..30).contains(&by_first), "{by_first} handled: the stop took no effect");
+        assert_eq!(
+            pending(&mut conn, &stream).await,
+            0,
+            "the stopped consumer left entries pending"
+        );
+        let second = StreamConsumer::new(&client, &stream, "g", "second").await.unwrap();
+        let rest = second.run_until(handler, effects.all(30, Duration::from_millis(300)));
+        tokio::time::timeout(Duration::from_secs(20), rest).await.unwrap().unwrap();
+        let twice = effects.doubled();
+        assert!(twice.is_empty(), "effects doubled: {twice:?} (first consumer handled {by_first})");
+        delete(&mut conn, &[&stream]).await;
+    });
+}

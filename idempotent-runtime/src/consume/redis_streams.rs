@@ -146,6 +146,7 @@ pub struct StreamConsumer {
     concurrency: usize,
     block: Duration,
     reclaim_idle: Duration,
+    grace: Duration,
     /// Where the next `XAUTOCLAIM` scan resumes, so entries deep in the pending list
     /// are reached too.
     cursor: std::sync::Arc<std::sync::Mutex<String>>,
@@ -233,6 +234,7 @@ impl StreamConsumer {
             concurrency: super::DEFAULT_CONCURRENCY,
             block,
             reclaim_idle: Duration::from_secs(30),
+            grace: Duration::from_secs(30),
             cursor: Default::default(),
             deferred: Default::default(),
         })
@@ -279,6 +281,61 @@ impl StreamConsumer {
     /// left for retry whose result gives no delay waits this long.
     pub fn reclaim_idle(mut self, idle: Duration) -> Self {
         self.reclaim_idle = idle.max(Duration::from_millis(3));
+        self
+    }
+
+    /// Polls until `shutdown` resolves (a signal, a deploy's stop), then lets the poll
+    /// under way finish (its calls return, its entries are acked or left for retry),
+    /// and answers `Ok`; or answers a poll's error. A poll still running
+    /// [`shutdown_grace`](StreamConsumer::shutdown_grace) after the shutdown is
+    /// dropped then: its entries stay pending, for a consumer of the group to reclaim
+    /// after [`reclaim_idle`](StreamConsumer::reclaim_idle). A quiet stream's poll
+    /// ends within the block time, so a stop waits at most that for it.
+    pub async fn run_until<F, Fut, R>(
+        &self,
+        mut handler: F,
+        shutdown: impl Future<Output = ()>,
+    ) -> RedisResult<()>
+    where
+        F: FnMut(StreamMessage) -> Fut,
+        Fut: Future<Output = R>,
+        R: DispositionExt,
+    {
+        let mut shutdown = std::pin::pin!(futures_util::FutureExt::fuse(shutdown));
+        loop {
+            let mut polled = std::pin::pin!(self.poll(&mut handler));
+            tokio::select! {
+                biased;
+                result = &mut polled => {
+                    result?;
+                }
+                () = &mut shutdown => {
+                    return match tokio::time::timeout(self.grace, polled).await {
+                        Ok(result) => result.map(drop),
+                        Err(_) => {
+                            tracing::warn!(
+                                stream = %self.stream,
+                                grace = ?self.grace,
+                                "the poll under way at the shutdown outlasted its grace: its \
+                                 entries stay pending, to be reclaimed"
+                            );
+                            Ok(())
+                        }
+                    };
+                }
+            }
+            if futures_util::FutureExt::now_or_never(&mut shutdown).is_some() {
+                return Ok(());
+            }
+        }
+    }
+
+    /// How long the poll under way has to finish after [`run_until`]'s shutdown;
+    /// default 30 s. Keep it under what the deploy waits before it kills the process.
+    ///
+    /// [`run_until`]: StreamConsumer::run_until
+    pub fn shutdown_grace(mut self, grace: Duration) -> Self {
+        self.grace = grace;
         self
     }
 

@@ -2,6 +2,8 @@
 //! graceful-stop tests of every consumer count them: a message run twice shows up as
 //! a count of 2, and a call cut off halfway as one begun but never ended.
 
+#![allow(dead_code)]
+
 use std::collections::HashMap;
 use std::sync::Mutex;
 use std::time::Duration;
