@@ -230,7 +230,8 @@ async fn record_done(
 /// same round trip marks the transaction twice, with marks that go when it ends, so
 /// that [`still_begun`] can tell it from one the handler began after ending it:
 /// `SET LOCAL idempotent.transaction`, which the DONE statement checks at no cost,
-/// and a shared advisory lock (class `0x69646d70`, object 1), asked only when the
+/// and a shared advisory lock (class `0x69646d70`, object the backend's pid, so that
+/// sessions share no lock entry), asked only when the
 /// first is missing (a handler's `RESET ALL` clears it, not the lock).
 async fn begin_read_committed(
     conn: PoolConnection<Postgres>,
@@ -238,7 +239,7 @@ async fn begin_read_committed(
 ) -> Result<Transaction<'static, Postgres>, StoreError> {
     let begin = "BEGIN ISOLATION LEVEL READ COMMITTED; \
                  SET LOCAL idempotent.transaction = 'begun'; \
-                 SELECT pg_advisory_xact_lock_shared(1768189296, 1)";
+                 SELECT pg_advisory_xact_lock_shared(1768189296, pg_backend_pid())";
     begin_within(conn, begin, spec).await
 }
 
@@ -267,10 +268,16 @@ const ABORTED: &str = "the handler's transaction was aborted by a statement erro
 /// made (the connection failed: nothing more commits on it).
 async fn still_begun(tx: &mut Transaction<'static, Postgres>) -> Begun {
     let marks = sqlx::query_as::<_, (bool, bool)>(
-        "SELECT coalesce(current_setting('idempotent.transaction', true) = 'begun', false), \
+        // `pg_locks` reads the whole lock table under every partition's lock: asked
+        // only when the mark is missing (`CASE` evaluates the branch it takes), not on
+        // every message of a claim taken in the transaction.
+        "SELECT marked, CASE WHEN marked THEN true ELSE \
                 EXISTS (SELECT 1 FROM pg_locks WHERE locktype = 'advisory' \
-                        AND pid = pg_backend_pid() AND classid = 1768189296 AND objid = 1 \
-                        AND objsubid = 2 AND mode = 'ShareLock' AND granted)",
+                        AND pid = pg_backend_pid() AND classid = 1768189296 \
+                        AND objid::bigint = pg_backend_pid() \
+                        AND objsubid = 2 AND mode = 'ShareLock' AND granted) END \
+         FROM (SELECT coalesce(current_setting('idempotent.transaction', true) = 'begun', \
+                               false) AS marked) AS mark",
     )
     .fetch_one(&mut **tx)
     .await;
