@@ -256,12 +256,12 @@ pub(crate) fn is_serialization_failure(error: &sqlx::Error) -> bool {
 /// MySQL's (or MariaDB's) own error number, which says more than its SQLSTATE: many
 /// errors, lock wait timeouts among them, share the catch-all `HY000`.
 #[cfg(feature = "mysql")]
-fn mysql_number(db: &dyn sqlx::error::DatabaseError) -> Option<u16> {
+pub(crate) fn mysql_number(db: &dyn sqlx::error::DatabaseError) -> Option<u16> {
     db.try_downcast_ref::<sqlx::mysql::MySqlDatabaseError>().map(|e| e.number())
 }
 
 #[cfg(not(feature = "mysql"))]
-fn mysql_number(_: &dyn sqlx::error::DatabaseError) -> Option<u16> {
+pub(crate) fn mysql_number(_: &dyn sqlx::error::DatabaseError) -> Option<u16> {
     None
 }
 

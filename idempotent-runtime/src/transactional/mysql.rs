@@ -218,7 +218,7 @@ async fn still_begun(tx: &mut Transaction<'static, MySql>) -> bool {
     match sqlx::raw_sql("RELEASE SAVEPOINT idempotent_begun").execute(&mut **tx).await {
         Ok(_) => true,
         // 1305: the savepoint does not exist.
-        Err(sqlx::Error::Database(e)) => error_number(&*e) != Some(1305),
+        Err(sqlx::Error::Database(e)) => crate::store::sql::mysql_number(&*e) != Some(1305),
         Err(_) => true,
     }
 }
@@ -250,8 +250,4 @@ async fn rolled_back_by_server(tx: &mut Transaction<'static, MySql>) -> bool {
         }
         _ => false,
     }
-}
-
-fn error_number(error: &dyn sqlx::error::DatabaseError) -> Option<u16> {
-    error.try_downcast_ref::<sqlx::mysql::MySqlDatabaseError>().map(|e| e.number())
 }

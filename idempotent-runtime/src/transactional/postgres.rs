@@ -93,9 +93,6 @@ impl Completion<PostgresStore> for InTransaction<'_> {
             // connection is next used.
             return Ok(claim);
         }
-        // Once per store, so that DONE, written after the handler's statements, names
-        // the table whatever `search_path` they left.
-        store.resolved_table(&mut conn).await?;
         let claim =
             store.claim_on(&mut conn, key, lease, ttl, fingerprint, ClaimCommit::Deferred).await?;
         if matches!(claim, Claim::Won { .. }) {
