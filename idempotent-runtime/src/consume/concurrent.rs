@@ -228,10 +228,6 @@ impl Stop<std::future::Pending<()>> {
     }
 }
 
-/// How long a consumer's calls in flight have to return after a graceful shutdown
-/// unless told otherwise.
-pub(crate) const DEFAULT_GRACE: Duration = Duration::from_secs(30);
-
 /// A settle, as a step of the loop.
 async fn settling<D, E, X: SettledAs>(
     lane: Option<u64>,

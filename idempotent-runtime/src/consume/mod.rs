@@ -19,6 +19,11 @@ use crate::{Disposition, DispositionExt};
 /// consumer's `concurrency`).
 pub const DEFAULT_CONCURRENCY: usize = 32;
 
+/// How long a consumer's deliveries in hand have to finish after a graceful
+/// shutdown unless told otherwise (each consumer's `shutdown_grace`).
+#[cfg(any(feature = "redis-streams", feature = "rabbitmq", feature = "nats", feature = "kafka"))]
+pub(crate) const DEFAULT_GRACE: Duration = Duration::from_secs(30);
+
 #[cfg(feature = "kafka")]
 #[cfg_attr(docsrs, doc(cfg(feature = "kafka")))]
 pub mod kafka;

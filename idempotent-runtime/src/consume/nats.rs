@@ -15,7 +15,8 @@ use futures_util::StreamExt as _;
 
 use super::Answer;
 use super::DEFAULT_CONCURRENCY;
-use super::concurrent::{DEFAULT_GRACE, Stop, settle_concurrently};
+use super::DEFAULT_GRACE;
+use super::concurrent::{Stop, settle_concurrently};
 use crate::delivery::with_delivery_count;
 use crate::execute::Spec;
 use crate::metrics::ConsumerMeter;

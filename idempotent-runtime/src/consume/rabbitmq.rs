@@ -12,7 +12,8 @@ use lapin::{BasicProperties, Channel, ExchangeKind};
 
 use super::Answer;
 use super::DEFAULT_CONCURRENCY;
-use super::concurrent::{DEFAULT_GRACE, Stop, settle_concurrently};
+use super::DEFAULT_GRACE;
+use super::concurrent::{Stop, settle_concurrently};
 use crate::delivery::with_delivery_count;
 use crate::metrics::ConsumerMeter;
 use crate::publish::rabbitmq::{confirmed, name, refused};

@@ -234,7 +234,7 @@ impl StreamConsumer {
             concurrency: super::DEFAULT_CONCURRENCY,
             block,
             reclaim_idle: Duration::from_secs(30),
-            grace: Duration::from_secs(30),
+            grace: super::DEFAULT_GRACE,
             cursor: Default::default(),
             deferred: Default::default(),
         })

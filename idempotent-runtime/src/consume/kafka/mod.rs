@@ -23,7 +23,8 @@ mod exactly_once;
 pub use exactly_once::{ExactlyOnceConsumer, Output, OutputRecord, Produced, Transformed};
 
 use super::DEFAULT_CONCURRENCY;
-use super::concurrent::{DEFAULT_GRACE, Stop, settle_concurrently};
+use super::DEFAULT_GRACE;
+use super::concurrent::{Stop, settle_concurrently};
 use super::{Answer, deadline_after};
 use crate::metrics::ConsumerMeter;
 use crate::{Disposition, DispositionExt, Payload, PayloadRef};
